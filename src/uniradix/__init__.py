@@ -1,0 +1,1 @@
+"""uniradix: a prefix cache for hybrid LLMs."""

@@ -1,0 +1,332 @@
+"""UnifiedRadixCache: the one object an engine talks to.
+
+The tree decides which handles to keep, reuse or evict; this class executes: it owns
+the pools, allocates (evicting on shortfall), frees what the tree gives back, copies
+MAMBA checkpoints into request-owned slots (copy-on-write), and keeps the counts.
+"""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+from .tree import CheckpointComponent, LockReceipt, RadixTree, encode
+from .tree.component import page_floor
+
+_NEG = array("i", (-1,))
+
+
+class CacheFull(RuntimeError):
+    """The pools cannot hold what was asked even after evicting everything unlocked."""
+
+
+@dataclass(eq=False)
+class CachedRequest:
+    """The cache's view of one running request.
+
+    `key` holds the tokens whose state the request has or will compute. Page handles
+    for pages below `prefix_len` belong to the tree (pinned by `receipt`); the rest are
+    the request's own. `pages[name]` has one handle per allocated page, -1 where a
+    windowed component's page was freed. `state_slot` is the request's private
+    recurrent state (a copy of the checkpoint it resumed from), valid at `state_len`.
+    """
+
+    key: bytes
+    salt: object
+    priority: int | None
+    prefix_len: int
+    matched: int
+    pages: dict[str, array]
+    receipt: LockReceipt
+    node: object
+    state_slot: int | None = None
+    state_len: int = 0
+    checkpoints: dict[int, int] = field(default_factory=dict)
+    window_freed: int = 0  # pages below this index already had their out-of-window SWA freed
+    done: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key) // 4
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens reused from the cache when the request started."""
+        return self._cached
+
+    def __post_init__(self) -> None:
+        self._cached = self.prefix_len
+
+
+class UnifiedRadixCache:
+    """tree: a RadixTree over the model's components; pools: per component name, an
+    object with alloc(n) -> array('i'), free(handles) and `available` (and copy_slot for
+    checkpoint components, unless accounting-only)."""
+
+    def __init__(self, tree: RadixTree, pools: dict, copy_checkpoints: bool = True):
+        missing = [n for n in tree.names if n not in pools]
+        if missing:
+            raise ValueError(f"no pool for component(s) {missing}")
+        self.tree = tree
+        self.page_size = tree.page_size
+        self.comps = tree.components
+        self.names = tree.names
+        self.pools = [pools[n] for n in tree.names]
+        self.page_comps = [c for c in self.comps if not isinstance(c, CheckpointComponent)]
+        self.ckpt = next((c for c in self.comps if isinstance(c, CheckpointComponent)), None)
+        self.windowed = [c for c in self.page_comps if getattr(c, "window", None) is not None]
+        self.copy_checkpoints = copy_checkpoints
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.hit_tokens = 0
+
+    # ------------------------------------------------------------------ allocation
+    def alloc(self, **counts: int) -> dict[str, array]:
+        """Allocate per component name, evicting unlocked data on shortfall. All or
+        nothing: raises CacheFull and allocates nothing when locked data leaves too little."""
+        short = {}
+        for name, n in counts.items():
+            if n < 0:
+                raise ValueError(f"cannot allocate {n} {name} handles")
+            pool = self.pools[self.tree.index[name]]
+            if pool.available < n:
+                short[self.comps[self.tree.index[name]].evict_kw] = n - pool.available
+        if short:
+            self._evict(**short)
+            for name, n in counts.items():
+                pool = self.pools[self.tree.index[name]]
+                if pool.available < n:
+                    raise CacheFull(
+                        f"cannot allocate {n} {name} handles: {pool.available} free and "
+                        f"{self.tree.evictable(name)} evictable; the rest is locked by running requests")
+        return {name: self.pools[self.tree.index[name]].alloc(n) for name, n in counts.items()}
+
+    def free(self, **handles) -> None:
+        for name, h in handles.items():
+            if h:
+                self.pools[self.tree.index[name]].free(h)
+
+    def _evict(self, **targets: int):
+        ev = self.tree.evict(**targets)
+        self._give_back(ev.freed)
+        return ev
+
+    def evict(self, **targets: int):
+        """Evict explicitly (e.g. to make room ahead of time); returns the EvictResult."""
+        return self._evict(**targets)
+
+    def _give_back(self, freed: dict[str, array]) -> None:
+        for pool, name in zip(self.pools, self.names):
+            h = freed[name]
+            if h:
+                pool.free(h)
+
+    # ------------------------------------------------------------------ request lifecycle
+    def match_prefix(self, tokens, salt=None, priority: int | None = None) -> CachedRequest:
+        """Match, lock what the match returns, and give the request a private copy of
+        the checkpoint it resumes from."""
+        key = tokens if isinstance(tokens, bytes) else encode(tokens)
+        m = self.tree.match(key, salt, priority)
+        rc = self.tree.lock(m.node)
+        b = m.boundary
+        P = self.page_size
+        pages = {}
+        for c in self.page_comps:
+            h = m.handles[c.name]
+            if c.window is not None:
+                h = _NEG * (b // P - len(h)) + h
+            pages[c.name] = h
+        req = CachedRequest(key, salt, priority, b, m.matched, pages, rc, m.node)
+        if self.ckpt is not None:
+            try:
+                slot = self.alloc(**{self.ckpt.name: 1})[self.ckpt.name][0]
+            except CacheFull:
+                self.tree.unlock(rc)
+                raise
+            src = m.handles[self.ckpt.name]
+            if src:
+                if self.copy_checkpoints:
+                    self.pools[self.ckpt.index].copy_slot(src[0], slot)
+                req.state_len = b
+            req.state_slot = slot
+        self.requests += 1
+        self.prompt_tokens += len(key) // 4
+        self.hit_tokens += b
+        return req
+
+    def alloc_request(self, req: CachedRequest, upto: int | None = None) -> None:
+        """Allocate the request's own pages so they cover its first `upto` tokens (all by default)."""
+        n = req.num_tokens if upto is None else upto
+        P = self.page_size
+        want = -(-n // P)
+        counts = {}
+        for c in self.page_comps:
+            have = len(req.pages[c.name])
+            if want > have:
+                counts[c.name] = want - have
+        if counts:
+            got = self.alloc(**counts)
+            for name, h in got.items():
+                req.pages[name] += h
+
+    def append_tokens(self, req: CachedRequest, tokens) -> None:
+        """Decode: extend the request by `tokens` and allocate their pages."""
+        req.key += tokens if isinstance(tokens, bytes) else encode(tokens)
+        self.alloc_request(req)
+
+    def add_checkpoint(self, req: CachedRequest, pos: int) -> int:
+        """A request-owned slot to capture the recurrent state at `pos` into; it goes to
+        the tree with the request (the junction checkpoint, say)."""
+        if self.ckpt is None:
+            raise ValueError("this cache has no checkpoint component")
+        if pos % self.page_size:
+            raise ValueError(f"checkpoint position {pos} is not page-aligned ({self.page_size})")
+        if pos in req.checkpoints:
+            return req.checkpoints[pos]
+        slot = self.alloc(**{self.ckpt.name: 1})[self.ckpt.name][0]
+        req.checkpoints[pos] = slot
+        return slot
+
+    def release_out_of_window(self, req: CachedRequest) -> int:
+        """Free the request's own SWA pages that fell out of the window, except the
+        window at its junction; returns how many were freed."""
+        freed = 0
+        P = self.page_size
+        n = req.num_tokens
+        for c in self.windowed:
+            pages = req.pages[c.name]
+            stop = page_floor(max(0, n - c.window), P) // P
+            j = req.matched
+            jlo, jhi = c.window_start(j) // P, j // P
+            start = max(req.window_freed, req.prefix_len // P)
+            out = array("i")
+            for p in range(start, min(stop, len(pages))):
+                h = pages[p]
+                if h >= 0 and not (jlo <= p < jhi):
+                    out.append(h)
+                    pages[p] = -1
+            if out:
+                self.pools[c.index].free(out)
+                freed += len(out)
+            req.window_freed = max(req.window_freed, stop)
+        return freed
+
+    def cache_unfinished(self, req: CachedRequest, checkpoints: dict[int, int] | None = None) -> None:
+        """Insert what the running request has so far; it keeps going on the tree's copy."""
+        if checkpoints:
+            req.checkpoints.update(checkpoints)
+        old = req.receipt
+        node, req.receipt = self._insert(req, finished=False)
+        req.node = node
+        self._unlock(old)
+
+    def cache_finished(self, req: CachedRequest, session_id=None) -> object:
+        """Insert the finished request, free what the tree did not keep, release its
+        lock; with a session id, reference what the next turn will reuse. Returns the
+        node the request ends at."""
+        node, _ = self._insert(req, finished=True)
+        self._unlock(req.receipt)
+        req.done = True
+        if session_id is not None and node.parent is not None:
+            self.tree.register_session(session_id, node)
+        return node
+
+    def release(self, req: CachedRequest) -> None:
+        """Abort: free everything the request owns and unlock, caching nothing."""
+        P = self.page_size
+        for c in self.page_comps:
+            own = req.pages[c.name][req.prefix_len // P:]
+            self.pools[c.index].free(array("i", (h for h in own if h >= 0)))
+        if self.ckpt is not None:
+            slots = list(req.checkpoints.values())
+            if req.state_slot is not None:
+                slots.append(req.state_slot)
+            if slots:
+                self.pools[self.ckpt.index].free(array("i", slots))
+        req.checkpoints.clear()
+        req.state_slot = None
+        self._unlock(req.receipt)
+        req.done = True
+
+    def _unlock(self, rc: LockReceipt) -> None:
+        gone = self.tree.unlock(rc)
+        if gone:
+            self._give_back(gone)
+
+    def _insert(self, req: CachedRequest, finished: bool):
+        P = self.page_size
+        n = page_floor(req.num_tokens, P)
+        npages = n // P
+        values = {}
+        for c in self.page_comps:
+            pages = req.pages[c.name]
+            if len(pages) < npages:
+                raise ValueError(f"request has {len(pages)} {c.name} pages, needs {npages}: call alloc_request first")
+            values[c.name] = pages[:npages] if len(pages) > npages else pages
+        ck = None
+        if self.ckpt is not None:
+            ck = dict(req.checkpoints)
+            if finished and req.state_slot is not None:
+                if req.state_len == n and n not in ck:
+                    ck[n] = req.state_slot
+                else:
+                    ck.setdefault(-1, req.state_slot)  # not at a boundary: freed below
+                req.state_slot = None
+            bad = [p for p in ck if not (0 < p <= n and p % P == 0)]
+            stray = array("i", (ck.pop(p) for p in bad))
+            values[self.ckpt.name] = ck
+            req.checkpoints = {}
+        r = self.tree.insert(req.key, values, prefix_len=req.prefix_len, junction=req.matched,
+                             salt=req.salt, priority=req.priority, lock=not finished)
+        self._give_back(r.free)
+        if ck is not None and stray:
+            self.pools[self.ckpt.index].free(stray)
+        # the tree now owns [0, n): the request continues on the tree's handles
+        node = r.node
+        path = node.path()
+        for c in self.page_comps:
+            tree_h = self._tree_pages(c, path, n)
+            pages = req.pages[c.name]
+            if finished:
+                if len(pages) > npages:  # the unaligned tail
+                    self.pools[c.index].free(array("i", (h for h in pages[npages:] if h >= 0)))
+                req.pages[c.name] = tree_h
+            else:
+                req.pages[c.name] = tree_h + pages[npages:]
+        req.prefix_len = n
+        return node, r.receipt
+
+    @staticmethod
+    def _tree_pages(c, path, n: int) -> array:
+        ci = c.index
+        P = c.page
+        out = array("i")
+        for nd in path:
+            v = nd.value[ci]
+            out += v if v is not None else _NEG * ((nd.end - nd.start) // P)
+        if len(out) < n // P:  # the request's end was pruned (useless leaf): nothing cached past it
+            out += _NEG * (n // P - len(out))
+        return out
+
+    # ------------------------------------------------------------------ sessions and admin
+    def close_session(self, session_id) -> bool:
+        return self.tree.close_session(session_id)
+
+    def flush(self) -> bool:
+        """Drop everything cached. Refused (False) while requests hold locks."""
+        if any(self.tree.locked):
+            return False
+        self._evict(**{c.evict_kw: self.tree.size[c.index] + 1 for c in self.comps[:1]})
+        for sid in list(self.tree.sessions):
+            self.tree.close_session(sid)
+        return True
+
+    def stats(self) -> dict:
+        t = self.tree.stats()
+        for c, pool in zip(self.comps, self.pools):
+            t["components"][c.name]["pool_available"] = pool.available
+            t["components"][c.name]["pool_size"] = getattr(pool, "size", None)
+        t["requests"] = self.requests
+        t["prompt_tokens"] = self.prompt_tokens
+        t["hit_tokens"] = self.hit_tokens
+        t["hit_rate"] = self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return t

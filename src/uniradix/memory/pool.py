@@ -1,0 +1,158 @@
+"""What every handle-indexed pool shares: an allocator, sidecars, and the
+accounting-only switch that lets a simulator run the cache with no memory."""
+
+from __future__ import annotations
+
+from array import array
+from operator import index as _as_int
+from types import MappingProxyType
+
+import numpy as np
+import torch
+
+from ._checks import layer_id_tuple, positive_int
+from .allocator import HandleAllocator
+from .sidecar import SidecarPool
+
+__all__ = ["HandlePool"]
+
+
+def index_tensor(idx: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(idx.astype(np.int64))
+    return t if device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+class HandlePool:
+    """Base for pools whose rows are indexed by allocator handles.
+
+    Subclasses allocate their tensors only when ``accounting_only`` is false
+    and describe their per-handle cost in ``_own_bytes_per_handle``.
+    """
+
+    kind = "HandlePool"
+
+    def __init__(self, size: int, *, name: str, layer_ids, device="cpu",
+                 accounting_only: bool = False):
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
+        size = positive_int(size, f"{self.kind} {name!r} size")
+        self._name = name
+        self._layer_ids = layer_id_tuple(layer_ids, f"{self.kind} {name!r}")
+        self._layer_index = {lid: i for i, lid in enumerate(self._layer_ids)}
+        self._device = torch.device(device)
+        self._accounting_only = bool(accounting_only)
+        self._allocator = HandleAllocator(size, name)
+        self._sidecars: dict[str, SidecarPool] = {}
+        self._live_sidecars: list[SidecarPool] = []
+
+    # -- description --------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return self._layer_ids
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def accounting_only(self) -> bool:
+        return self._accounting_only
+
+    @property
+    def allocator(self) -> HandleAllocator:
+        return self._allocator
+
+    @property
+    def size(self) -> int:
+        return self._allocator.size
+
+    @property
+    def sidecars(self):
+        """Registered sidecars by name (read-only view)."""
+        return MappingProxyType(self._sidecars)
+
+    @property
+    def bytes_per_handle(self) -> int:
+        """Bytes one handle costs across all layers, sidecars included."""
+        return self._own_bytes_per_handle() + sum(
+            s.bytes_per_handle for s in self._sidecars.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Total tensor bytes (computed from shapes, also when accounting-only)."""
+        return self.size * self.bytes_per_handle
+
+    def _own_bytes_per_handle(self) -> int:
+        raise NotImplementedError
+
+    # -- accounting ---------------------------------------------------------
+    @property
+    def available(self) -> int:
+        return self._allocator.available
+
+    @property
+    def used(self) -> int:
+        return self._allocator.used
+
+    def alloc(self, n: int) -> array:
+        """Take ``n`` handles (all or nothing); their sidecar rows are zeroed."""
+        handles = self._allocator.alloc(n)
+        if self._live_sidecars and handles:
+            try:
+                rows = index_tensor(np.frombuffer(handles, dtype=np.int32), self._device)
+                for sc in self._live_sidecars:
+                    sc._zero_rows(rows)
+            except BaseException:
+                self._allocator.free(handles)
+                raise
+        return handles
+
+    def free(self, handles) -> None:
+        self._allocator.free(handles)
+
+    def is_allocated(self, handle: int) -> bool:
+        return self._allocator.is_allocated(handle)
+
+    def register_sidecar(self, sidecar: SidecarPool) -> SidecarPool:
+        """Attach ``sidecar``, sized to this pool's handle count; returns it."""
+        if not isinstance(sidecar, SidecarPool):
+            raise TypeError(f"expected a SidecarPool, got {type(sidecar).__name__}")
+        if sidecar.name in self._sidecars:
+            raise ValueError(f"{self.kind} {self._name!r} already has a sidecar "
+                             f"named {sidecar.name!r}")
+        sidecar._bind(self, self.size, self._accounting_only)
+        self._sidecars[sidecar.name] = sidecar
+        if not self._accounting_only:
+            self._live_sidecars.append(sidecar)
+        return sidecar
+
+    # -- helpers for subclasses ---------------------------------------------
+    def _layer(self, layer_id) -> int:
+        try:
+            return self._layer_index[layer_id]
+        except (KeyError, TypeError):
+            raise KeyError(
+                f"layer {layer_id!r} is not in {self.kind} {self._name!r} "
+                f"(layers {list(self._layer_ids)})"
+            ) from None
+
+    def _require_tensors(self) -> None:
+        if self._accounting_only:
+            raise RuntimeError(
+                f"{self.kind} {self._name!r} is accounting-only: it holds no tensors"
+            )
+
+    def _slot(self, handle, what: str) -> int:
+        h = _as_int(handle)
+        if not self._allocator.is_allocated(h):
+            raise ValueError(f"{what}: {self._name}: handle {h} is not allocated")
+        return h
+
+    def __repr__(self) -> str:
+        mode = ", accounting_only" if self._accounting_only else ""
+        return (f"{type(self).__name__}({self._name!r}, size={self.size}, "
+                f"used={self.used}, layers={len(self._layer_ids)}{mode})")

@@ -1,0 +1,14 @@
+"""Tree core: topology and bookkeeping over integer handles; standard library only."""
+from .component import CheckpointComponent, Component, PageComponent
+from .components import FullComponent, MambaComponent, SWAComponent
+from .eviction import POLICIES
+from .keys import decode, encode
+from .node import Node
+from .results import EvictResult, InsertResult, LockReceipt, MatchResult
+from .tree import LockError, RadixTree
+
+__all__ = [
+    "CheckpointComponent", "Component", "PageComponent", "FullComponent", "MambaComponent",
+    "SWAComponent", "POLICIES", "decode", "encode", "Node", "EvictResult", "InsertResult",
+    "LockReceipt", "MatchResult", "LockError", "RadixTree",
+]

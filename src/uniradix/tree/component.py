@@ -1,0 +1,254 @@
+"""What a component is to the tree: its reuse rule, how its value splits, what it pins.
+
+The tree's walks (match, insert, lock, evict) only call the methods below, so a new
+kind of layer is one new subclass. Two families cover the known layers:
+
+- `PageComponent`: one handle per page along the span (FULL, SWA, compressed KV).
+  With `window=None` it must be present on every page of the prefix; with a window W
+  only on the pages touching [b - W, b).
+- `CheckpointComponent`: one handle at the node's end (a recurrent-state checkpoint),
+  valid only at exactly that boundary.
+
+Values are `array('i')` of handles; None is absent (never stored, or tombstoned).
+"""
+from __future__ import annotations
+
+from array import array
+
+Interval = tuple[int, int]
+
+
+def page_floor(x: int, page: int) -> int:
+    return x // page * page
+
+
+def page_ceil(x: int, page: int) -> int:
+    return -(-x // page) * page
+
+
+class Component:
+    name = "?"
+    unit = "pages"
+    #: the component that defines the tree's shape: only leaves may lose it
+    structural = False
+    #: slice the value when a node splits (per-page data); otherwise it stays with the lower part
+    slices = True
+    #: how far below a tombstone a leaf's own boundary depends on it (None: everything below)
+    reach: int | None = 0
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.page = 1
+
+    def bind(self, index: int, page: int) -> None:
+        self.index = index
+        self.page = page
+
+    @property
+    def evict_kw(self) -> str:
+        return f"{self.name}_{self.unit}"
+
+    # --- reuse rule -------------------------------------------------------------
+    def accepted(self, path: list, matched: int) -> list[Interval]:
+        """Boundaries in [0, matched] this component alone accepts on `path`, as sorted
+        disjoint closed intervals; (0, 0) is always included."""
+        raise NotImplementedError
+
+    def accepts_end(self, nd) -> bool:
+        """Whether the boundary at nd.end is valid for this component (leaf usefulness)."""
+        raise NotImplementedError
+
+    def handles(self, path: list, b: int) -> array:
+        """Handles a request reuses when it resumes at boundary b (path ends at b)."""
+        raise NotImplementedError
+
+    def pin_from(self, nd) -> int | None:
+        """A lock or session reference at nd pins this component's slot on every path
+        node with end > the returned position; None pins nothing."""
+        raise NotImplementedError
+
+    # --- insert -----------------------------------------------------------------
+    def insert_points(self, n: int, junction: int | None, incoming) -> list[int]:
+        """Positions where nodes must be split so that values attach to whole nodes."""
+        return []
+
+    def retention(self, n: int, junction: int | None) -> list[Interval] | None:
+        return None
+
+    def adopt(self, nd, incoming, keep, out: array) -> None:
+        """Give a new node its value from `incoming`; unusable handles go to `out`."""
+        raise NotImplementedError
+
+    def reconcile(self, nd, incoming, prefix_len: int, keep, out: array) -> None:
+        """An existing node the insert covers: duplicates go to `out`; a tombstone may heal."""
+        raise NotImplementedError
+
+
+class PageComponent(Component):
+    """One handle per page; `window` None means the whole prefix is needed."""
+
+    def __init__(self, window: int | None = None, keep_all: bool = False) -> None:
+        super().__init__()
+        if window is not None and window <= 0:
+            raise ValueError(f"{self.name}: window must be positive, got {window}")
+        self.window = window
+        self.keep_all = keep_all
+        self.reach = window
+
+    def window_start(self, b: int) -> int:
+        return 0 if self.window is None else max(0, page_floor(b - self.window, self.page))
+
+    def accepted(self, path, matched):
+        ci = self.index
+        if self.window is None:
+            b = 0
+            for nd in path:
+                if nd.value[ci] is None:
+                    break
+                b = nd.end if nd.end < matched else matched
+            return [(0, b)]
+        out: list[Interval] = [(0, 0)]
+        run = -1
+        W, P = self.window, self.page
+        for nd in path:
+            if nd.value[ci] is None:
+                run = -1
+                continue
+            if run < 0:
+                run = nd.start
+            e = nd.end if nd.end < matched else matched
+            lo = nd.start if run == 0 else max(nd.start, page_ceil(run + W, P))
+            if lo > e:
+                continue
+            if lo <= out[-1][1]:
+                out[-1] = (out[-1][0], e)
+            else:
+                out.append((lo, e))
+        return out
+
+    def accepts_end(self, nd):
+        ci = self.index
+        lo = self.window_start(nd.end)
+        while nd.parent is not None and nd.end > lo:
+            if nd.value[ci] is None:
+                return False
+            nd = nd.parent
+        return True
+
+    def handles(self, path, b):
+        ci = self.index
+        out = array("i")
+        lo = self.window_start(b)
+        P = self.page
+        for nd in path:
+            if nd.end <= lo:
+                continue
+            v = nd.value[ci]
+            out += v if nd.start >= lo else v[(lo - nd.start) // P:]
+        return out
+
+    def pin_from(self, nd):
+        return self.window_start(nd.end)
+
+    def retention(self, n, junction):
+        if self.window is None or self.keep_all:
+            return None
+        keep = [(self.window_start(n), n)]
+        if junction:
+            keep.append((self.window_start(junction), junction))
+        return keep
+
+    def insert_points(self, n, junction, incoming):
+        keep = self.retention(n, junction)
+        if keep is None:
+            return []
+        return [p for span in keep for p in span]
+
+    @staticmethod
+    def _kept(keep, s: int, e: int) -> bool:
+        if keep is None:
+            return True
+        for lo, hi in keep:
+            if lo <= s and e <= hi:
+                return True
+        return False
+
+    def adopt(self, nd, incoming, keep, out):
+        P = self.page
+        v = incoming[nd.start // P: nd.end // P]
+        if self._kept(keep, nd.start, nd.end) and _all_present(v):
+            nd.value[self.index] = v
+        else:
+            _release(v, out)
+
+    def reconcile(self, nd, incoming, prefix_len, keep, out):
+        if nd.end <= prefix_len:
+            return
+        P = self.page
+        s = nd.start if nd.start > prefix_len else prefix_len
+        v = incoming[s // P: nd.end // P]
+        if nd.value[self.index] is None and s == nd.start and self._kept(keep, nd.start, nd.end) \
+                and _all_present(v):
+            nd.value[self.index] = v  # heals a tombstone
+        else:
+            _release(v, out)
+
+
+_ABSENT = b"\xff\xff\xff\xff"  # -1 as int32; no valid (non-negative) handle contains these bytes
+
+
+def _all_present(v: array) -> bool:
+    return _ABSENT not in v.tobytes()
+
+
+def _release(v: array, out: array) -> None:
+    if _ABSENT in v.tobytes():
+        out.extend(h for h in v if h >= 0)
+    else:
+        out += v
+
+
+class CheckpointComponent(Component):
+    """One handle at a node's end: a snapshot valid only at exactly that boundary."""
+
+    slices = False
+    unit = "slots"
+    reach = 0
+
+    def accepted(self, path, matched):
+        ci = self.index
+        out = [(0, 0)]
+        for nd in path:
+            if nd.end > matched:
+                break
+            if nd.value[ci] is not None:
+                out.append((nd.end, nd.end))
+        return out
+
+    def accepts_end(self, nd):
+        return nd.value[self.index] is not None
+
+    def handles(self, path, b):
+        if path and path[-1].end == b and path[-1].value[self.index] is not None:
+            return path[-1].value[self.index]
+        return array("i")
+
+    def pin_from(self, nd):
+        return nd.start if nd.value[self.index] is not None else None
+
+    def insert_points(self, n, junction, incoming):
+        return list(incoming) if incoming else []
+
+    def adopt(self, nd, incoming, keep, out):
+        slot = incoming.get(nd.end) if incoming else None
+        if slot is not None:
+            nd.value[self.index] = array("i", (slot,))
+
+    def reconcile(self, nd, incoming, prefix_len, keep, out):
+        slot = incoming.get(nd.end) if incoming else None
+        if slot is None:
+            return
+        if nd.value[self.index] is None:
+            nd.value[self.index] = array("i", (slot,))
+        else:
+            out.append(slot)

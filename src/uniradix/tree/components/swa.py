@@ -1,0 +1,12 @@
+"""Sliding-window attention: KV only for the pages touching the last W tokens."""
+from ..component import PageComponent
+
+
+class SWAComponent(PageComponent):
+    """`keep_all` keeps every SWA page an insert brings instead of only the windows at
+    the end of the inserted span and at the request's junction."""
+
+    name = "swa"
+
+    def __init__(self, window: int, keep_all: bool = False) -> None:
+        super().__init__(window=window, keep_all=keep_all)

@@ -1,0 +1,182 @@
+"""Per-component eviction order: pluggable base policy, session references rank last.
+
+A component's evictable slots sit in one of two tiers: unreferenced (ordered by the
+base policy) and session-referenced (ordered by reference count, then the base
+policy). Eviction drains the first tier before touching the second, which is the
+order (has references, number of references, base policy).
+
+LRU and FIFO keys only grow when a node is touched, so they live in an ordered dict
+(O(1) touch, O(1) pop); the few nodes that re-enter with an old key (a parent that
+became a leaf, an unlocked node) wait in a small heap merged at pop time. LFU and
+priority keys move both ways and use a heap with lazy deletion.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from itertools import count
+
+_seq = count()
+
+
+class TickQueue:
+    """Ordered by a key that a touch can only raise to the newest value (LRU tick, FIFO creation)."""
+
+    __slots__ = ("od", "late", "late_key", "last", "attr", "touch_moves")
+
+    def __init__(self, attr: str, touch_moves: bool):
+        self.od: OrderedDict = OrderedDict()
+        self.late: list = []
+        self.late_key: dict = {}
+        self.last = -1
+        self.attr = attr
+        self.touch_moves = touch_moves
+
+    def __len__(self) -> int:
+        return len(self.od) + len(self.late_key)
+
+    def add(self, nd) -> None:
+        k = getattr(nd, self.attr)
+        if k >= self.last:
+            self.od[nd] = None
+            self.last = k
+        else:
+            self.late_key[nd] = k
+            heapq.heappush(self.late, (k, next(_seq), nd))
+
+    def discard(self, nd) -> None:
+        if self.od.pop(nd, 0) is None:
+            return
+        self.late_key.pop(nd, None)
+
+    def touch(self, nd) -> None:
+        if not self.touch_moves:
+            return
+        if nd in self.od:
+            self.od.move_to_end(nd)
+            self.last = getattr(nd, self.attr)
+        else:
+            self.discard(nd)
+            self.add(nd)
+
+    def pop(self):
+        late = self.late
+        while late and self.late_key.get(late[0][2]) != late[0][0]:
+            heapq.heappop(late)
+        if self.od:
+            nd = next(iter(self.od))
+            if not late or getattr(nd, self.attr) <= late[0][0]:
+                del self.od[nd]
+                return nd
+        if late:
+            nd = heapq.heappop(late)[2]
+            del self.late_key[nd]
+            return nd
+        return None
+
+
+class HeapQueue:
+    """Ordered by an arbitrary key function; stale heap entries are skipped at pop."""
+
+    __slots__ = ("heap", "entry", "keyfn")
+
+    def __init__(self, keyfn):
+        self.heap: list = []
+        self.entry: dict = {}
+        self.keyfn = keyfn
+
+    def __len__(self) -> int:
+        return len(self.entry)
+
+    def add(self, nd) -> None:
+        s = next(_seq)
+        self.entry[nd] = s
+        heapq.heappush(self.heap, (self.keyfn(nd), s, nd))
+        if len(self.heap) > 2 * len(self.entry) + 64:
+            self.heap = [e for e in self.heap if self.entry.get(e[2]) == e[1]]
+            heapq.heapify(self.heap)
+
+    def discard(self, nd) -> None:
+        self.entry.pop(nd, None)
+
+    def touch(self, nd) -> None:
+        self.add(nd)
+
+    def pop(self):
+        heap, entry = self.heap, self.entry
+        while heap:
+            _, s, nd = heapq.heappop(heap)
+            if entry.get(nd) == s:
+                del entry[nd]
+                return nd
+        return None
+
+
+def _lfu_key(nd):
+    return (nd.hits, nd.tick)
+
+
+def _priority_key(nd):
+    return (nd.priority, nd.tick)
+
+
+POLICIES = ("lru", "lfu", "fifo", "priority")
+
+
+def base_queue(policy: str):
+    if policy == "lru":
+        return TickQueue("tick", touch_moves=True)
+    if policy == "fifo":
+        return TickQueue("created", touch_moves=False)
+    if policy == "lfu":
+        return HeapQueue(_lfu_key)
+    if policy == "priority":
+        return HeapQueue(_priority_key)
+    raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+def base_key(policy: str):
+    return {"lru": lambda nd: nd.tick, "fifo": lambda nd: nd.created,
+            "lfu": _lfu_key, "priority": _priority_key}[policy]
+
+
+class EvictionList:
+    """The evictable slots of one component, in eviction order."""
+
+    __slots__ = ("ci", "plain", "ref", "_queues")
+
+    def __init__(self, ci: int, policy: str):
+        self.ci = ci
+        self.plain = base_queue(policy)
+        bk = base_key(policy)
+        self.ref = HeapQueue(lambda nd, ci=ci, bk=bk: (nd.refs[ci], bk(nd)))
+        self._queues = (None, self.plain, self.ref)
+
+    def __len__(self) -> int:
+        return len(self.plain) + len(self.ref)
+
+    def place(self, nd, tier: int) -> None:
+        """Put nd in tier 0 (not evictable), 1 (unreferenced) or 2 (session-referenced)."""
+        cur = nd.where[self.ci]
+        if cur == tier:
+            if tier == 2:
+                self.ref.add(nd)  # reference count changed: new key
+            return
+        if cur:
+            self._queues[cur].discard(nd)
+        if tier:
+            self._queues[tier].add(nd)
+        nd.where[self.ci] = tier
+
+    def touch(self, nd) -> None:
+        tier = nd.where[self.ci]
+        if tier:
+            self._queues[tier].touch(nd)
+
+    def pop(self):
+        nd = self.plain.pop()
+        if nd is None:
+            nd = self.ref.pop()
+        if nd is not None:
+            nd.where[self.ci] = 0
+        return nd

@@ -1,0 +1,72 @@
+"""What the tree hands back: match results, insert results, lock receipts, evictions."""
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class MatchResult:
+    """`boundary`: deepest page-aligned position every component accepts; `node` ends
+    exactly there (the root when 0). `matched`: how far the tokens matched at all (FULL,
+    structural). `handles[name]`: what to reuse up to the boundary. `deepest[name]`: the
+    deepest boundary that component alone would accept, to see what stopped reuse."""
+
+    node: object
+    boundary: int
+    matched: int
+    handles: dict[str, array]
+    deepest: dict[str, int]
+
+    @property
+    def stopped_by(self) -> list[str]:
+        """Components whose own limit is the boundary, when reuse stopped short of the match."""
+        if self.boundary >= self.matched:
+            return []
+        return [n for n, d in self.deepest.items() if d < self.matched]
+
+
+@dataclass(slots=True)
+class InsertResult:
+    """`node` ends at the inserted length; `existing` tokens were already cached;
+    `free[name]`: incoming handles the tree did not keep (duplicates, out-of-window
+    pages, checkpoints already present): the caller frees them. `receipt`: the lock on
+    `node` when the insert was asked to lock."""
+
+    node: object
+    existing: int
+    free: dict[str, array]
+    receipt: "LockReceipt | None" = None
+
+
+@dataclass(slots=True)
+class EvictResult:
+    """Handles freed per component (the caller returns them to its pools)."""
+
+    freed: dict[str, array]
+    removed_nodes: int = 0
+    tombstones: int = 0
+
+    def count(self, name: str) -> int:
+        return len(self.freed[name])
+
+
+@dataclass(slots=True, eq=False)
+class LockReceipt:
+    """Exactly what a lock pinned: per component (index, node, from) — the slots on the
+    path from `node` upward whose span ends after `from`. Splits copy counts to the new
+    part inside the same span, so the receipt stays exact."""
+
+    pins: list[tuple[int, object, int]] = field(default_factory=list)
+    released: bool = False
+    node: object = None
+
+    def nodes(self, ci: int) -> list:
+        out = []
+        for c, nd, lo in self.pins:
+            if c != ci:
+                continue
+            while nd.parent is not None and nd.end > lo:
+                out.append(nd)
+                nd = nd.parent
+        return out

@@ -1,0 +1,512 @@
+"""The radix tree: topology and bookkeeping over integer handles, for any set of components.
+
+The tree decides (what matches, what is kept, what is evicted) and returns handles;
+it never touches tensors. Walks call components only through `Component`'s methods,
+so adding a kind of layer never edits them.
+"""
+from __future__ import annotations
+
+from array import array
+
+from .component import Component, Interval, page_floor
+from .eviction import POLICIES, EvictionList
+from .keys import TOKEN_BYTES, common_prefix, encode
+from .node import Node
+from .results import EvictResult, InsertResult, LockReceipt, MatchResult
+
+
+class LockError(RuntimeError):
+    """Unlocking a receipt twice, or closing the books on something never pinned."""
+
+
+def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    out: list[Interval] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        lo = a[i][0] if a[i][0] > b[j][0] else b[j][0]
+        hi = a[i][1] if a[i][1] < b[j][1] else b[j][1]
+        if lo <= hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+class RadixTree:
+    """One radix tree, one slot per component, one root per salt.
+
+    components: FULL first (it is structural), then any others.
+    page_size: tokens per page; keys match and values attach page by page.
+    eviction_policy: base order within a component (lru, lfu, fifo, priority).
+    """
+
+    def __init__(self, components: list[Component], page_size: int = 1, eviction_policy: str = "lru"):
+        if not components or not components[0].structural:
+            raise ValueError("the first component must be the structural one (FULL)")
+        if any(c.structural for c in components[1:]):
+            raise ValueError("only one structural component")
+        names = [c.name for c in components]
+        if len(set(names)) != len(names):
+            raise ValueError(f"component names must be unique: {names}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if eviction_policy not in POLICIES:
+            raise ValueError(f"unknown eviction policy {eviction_policy!r}; choose one of {', '.join(POLICIES)}")
+        for i, c in enumerate(components):
+            if c.index >= 0:
+                raise ValueError(f"component {c.name} already belongs to a tree")
+            c.bind(i, page_size)
+        self.components = list(components)
+        self.names = names
+        self.index = {n: i for i, n in enumerate(names)}
+        self.evict_kws = {c.evict_kw: i for i, c in enumerate(components)}
+        self.nc = len(components)
+        self.page_size = page_size
+        self.unit = page_size * TOKEN_BYTES
+        self.policy = eviction_policy
+        self.lists = [EvictionList(i, eviction_policy) for i in range(self.nc)]
+        self.roots: dict[object, Node] = {}
+        self.clock = 0
+        self.size = [0] * self.nc       # handles held by the tree, per component
+        self.locked = [0] * self.nc     # of which pinned by a lock
+        self.evicted = [0] * self.nc    # cumulative handles freed by eviction
+        self.tombstones = [0] * self.nc  # cumulative internal slots evicted
+        self.removed_nodes = 0
+        self.num_nodes = 0
+        self.sessions: dict[object, LockReceipt] = {}
+        self._single = self.nc == 1
+
+    # ------------------------------------------------------------------ roots
+    def root(self, salt=None) -> Node:
+        r = self.roots.get(salt)
+        if r is None:
+            r = self.roots[salt] = Node(b"", 0, 0, None, self.nc)
+        return r
+
+    # ------------------------------------------------------------------ match
+    def match(self, tokens, salt=None, priority: int | None = None) -> MatchResult:
+        """Longest reusable prefix; splits a node so that `result.node` ends at the boundary."""
+        key = tokens if isinstance(tokens, bytes) else encode(tokens)
+        unit = self.unit
+        nd = self.root(salt)
+        path: list[Node] = []
+        off = 0
+        nbytes = len(key) - len(key) % unit
+        while off < nbytes:
+            ch = nd.children.get(key[off:off + unit])
+            if ch is None:
+                break
+            path.append(ch)
+            if key.startswith(ch.key, off):
+                off += len(ch.key)
+                nd = ch
+            else:
+                off += common_prefix(key, off, ch.key, unit)
+                break
+        matched = off // TOKEN_BYTES
+        if self._single:
+            b = matched
+            deepest = None
+        else:
+            acc = [c.accepted(path, matched) for c in self.components]
+            cur = acc[0]
+            for a in acc[1:]:
+                cur = intersect(cur, a)
+            b = cur[-1][1]
+            deepest = {c.name: a[-1][1] for c, a in zip(self.components, acc)}
+        # the reuse path ends exactly at b: split the node that contains it
+        cut = 0
+        for x in path:
+            if x.end > b:
+                break
+            cut += 1
+        touched = path
+        if cut < len(path) and path[cut].start < b:
+            up = self._split(path[cut], b - path[cut].start)
+            touched = path[:cut] + [up] + path[cut:]
+            cut += 1
+            path = touched
+        self._touch_path(touched, priority)
+        reuse = path[:cut]
+        end = reuse[-1] if reuse else self.root(salt)
+        handles = {c.name: c.handles(reuse, b) for c in self.components}
+        if deepest is None:
+            deepest = {self.names[0]: b}
+        return MatchResult(end, b, matched, handles, deepest)
+
+    def _touch_path(self, path: list[Node], priority) -> None:
+        lists = self.lists
+        for nd in path:
+            self.clock += 1
+            nd.tick = self.clock
+            nd.hits += 1
+            if priority is not None and priority > nd.priority:
+                nd.priority = priority
+            for lst in lists:
+                if nd.where[lst.ci]:
+                    lst.touch(nd)
+
+    # ------------------------------------------------------------------ split
+    def _split(self, nd: Node, k: int) -> Node:
+        """Split nd after k tokens; returns the new upper part. nd keeps its identity as
+        the lower part, so receipts and checkpoints that name it stay valid."""
+        P, unit = self.page_size, self.unit
+        kb = k * TOKEN_BYTES
+        up = Node(nd.key[:kb], nd.start, nd.start + k, nd.parent, self.nc, nd.tick)
+        up.created, up.hits, up.priority = nd.created, nd.hits, nd.priority
+        nd.parent.children[nd.key[:unit]] = up
+        nd.key = nd.key[kb:]
+        nd.start += k
+        nd.parent = up
+        up.children[nd.key[:unit]] = nd
+        kp = k // P
+        for c in self.components:
+            ci = c.index
+            if not c.slices:
+                continue
+            v = nd.value[ci]
+            if v is not None:
+                up.value[ci] = v[:kp]
+                nd.value[ci] = v[kp:]
+            up.locks[ci] = nd.locks[ci]
+            up.refs[ci] = nd.refs[ci]
+        self.num_nodes += 1
+        self._place_all(up)
+        return up
+
+    def _ensure_boundary(self, nd: Node, pos: int) -> None:
+        """Make `pos` a node boundary on the path from nd to the root."""
+        while nd.parent is not None and nd.start >= pos:
+            if nd.start == pos:
+                return
+            nd = nd.parent
+        if nd.parent is not None and nd.start < pos < nd.end:
+            self._split(nd, pos - nd.start)
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, tokens, values: dict, prefix_len: int = 0, junction: int | None = None,
+               salt=None, priority: int | None = None, lock: bool = False) -> InsertResult:
+        """Insert the page-aligned part of `tokens` with its handles.
+
+        values: per component name. Page components: an array('i') of one handle per
+        page of the aligned length, -1 where absent (FULL: none absent). Checkpoint
+        components: {position: slot}. Handles of pages below `prefix_len` are the tree's
+        own (the caller got them from match) and are ignored. With `lock`, the end node is
+        locked before anything could evict it (`result.receipt`): a running request
+        keeps its data even where the new leaf is not yet useful to others.
+        """
+        key = tokens if isinstance(tokens, bytes) else encode(tokens)
+        unit, P = self.unit, self.page_size
+        nbytes = len(key) - len(key) % unit
+        n = nbytes // TOKEN_BYTES
+        comps = self.components
+        inc = [values.get(c.name) for c in comps]
+        full_in = inc[0]
+        if full_in is None or len(full_in) != n // P:
+            raise ValueError(f"insert needs {n // P} FULL handles for {n} tokens (page {P}), "
+                             f"got {None if full_in is None else len(full_in)}")
+        if junction is not None:
+            junction = page_floor(min(junction, n), P)
+        root = self.root(salt)
+        nd = root
+        path: list[Node] = []
+        off = 0
+        while off < nbytes:
+            ch = nd.children.get(key[off:off + unit])
+            if ch is None:
+                break
+            if key.startswith(ch.key, off):
+                off += len(ch.key)
+            else:
+                m = common_prefix(key, off, ch.key, unit)
+                ch = self._split(ch, m // TOKEN_BYTES)
+                off += m
+            path.append(ch)
+            nd = ch
+        existing = off // TOKEN_BYTES
+        free = {c.name: array("i") for c in comps}
+        if self._single:
+            if existing > prefix_len:
+                free[self.names[0]] = full_in[prefix_len // P: existing // P]
+            if existing < n:
+                leaf = self._new_node(nd, key, existing, n)
+                leaf.value[0] = v = full_in[existing // P:]
+                self.size[0] += len(v)
+                if nd.where[0]:
+                    self.lists[0].place(nd, 0)
+                path.append(leaf)
+                self._touch_path(path, priority)
+                leaf.created = leaf.tick
+                self.lists[0].place(leaf, 1)
+                return InsertResult(leaf, existing, free, self.lock(leaf) if lock else None)
+            self._touch_path(path, priority)
+            end = path[-1] if path else root
+            return InsertResult(end, existing, free, self.lock(end) if lock else None)
+
+        # boundaries the components need, then values attach to whole nodes
+        points = set()
+        for c, v in zip(comps, inc):
+            for p in c.insert_points(n, junction, v):
+                p = page_floor(p, P)
+                if 0 < p < n:
+                    points.add(p)
+        keep = [c.retention(n, junction) for c in comps]
+        for p in sorted(points):
+            if p < existing:
+                self._ensure_boundary(path[-1], p)
+        if existing and points:
+            path = path[-1].path()
+        new: list[Node] = []
+        parent = path[-1] if path else root
+        cuts = sorted(p for p in points if p > existing) + [n]
+        s = existing
+        for e in cuts:
+            if e <= s:
+                continue
+            nn = self._new_node(parent, key, s, e)
+            new.append(nn)
+            parent = nn
+            s = e
+        outs = [free[c.name] for c in comps]
+        before = [list(x.value) for x in path]
+        for c, v, kp, out in zip(comps, inc, keep, outs):
+            if v is None:
+                continue
+            for x in path:
+                c.reconcile(x, v, prefix_len, kp, out)
+            for x in new:
+                c.adopt(x, v, kp, out)
+        size, locked = self.size, self.locked
+        for x, old in zip(path, before):
+            for ci in range(self.nc):
+                v = x.value[ci]
+                if old[ci] is None and v is not None:
+                    size[ci] += len(v)
+                    if x.locks[ci]:
+                        locked[ci] += len(v)
+        for x in new:
+            for ci in range(self.nc):
+                v = x.value[ci]
+                if v is not None:
+                    size[ci] += len(v)
+            if priority is not None:
+                x.priority = priority
+        touched = path + new
+        self._touch_path(touched, priority)
+        for x in new:
+            x.created = x.tick
+        for x in touched:
+            self._place_all(x)
+        end = touched[-1] if touched else root
+        if lock:
+            return InsertResult(end, existing, free, self.lock(end))
+        if end.parent is not None and not end.children and not end.locks[0] and not self._useful(end):
+            parent = end.parent
+            self._remove(end, outs)
+            self._prune_up(parent, outs)
+            end = parent if parent.attached else root
+        return InsertResult(end, existing, free)
+
+    def _new_node(self, parent: Node, key: bytes, s: int, e: int) -> Node:
+        nn = Node(key[s * TOKEN_BYTES: e * TOKEN_BYTES], s, e, parent, self.nc)
+        parent.children[key[s * TOKEN_BYTES: s * TOKEN_BYTES + self.unit]] = nn
+        self.num_nodes += 1
+        return nn
+
+    # ------------------------------------------------------------------ locks
+    def lock(self, nd: Node) -> LockReceipt:
+        """Pin what reuse at nd.end needs: FULL along the path, SWA its window, MAMBA the
+        checkpoint. Locked slots are never evicted."""
+        rc = LockReceipt(node=nd)
+        if nd.parent is None:
+            return rc
+        for c in self.components:
+            lo = c.pin_from(nd)
+            if lo is None:
+                continue
+            if lo > 0:
+                self._ensure_boundary(nd, lo)
+            rc.pins.append((c.index, nd, lo))
+            self._pin(c.index, nd, lo, 1, True)
+        return rc
+
+    def unlock(self, rc: LockReceipt) -> dict[str, array] | None:
+        """Release exactly what `rc` pinned. A leaf that became useless while locked goes
+        now; its handles are returned for the caller to free (None when nothing went)."""
+        if rc.released:
+            raise LockError("receipt already unlocked")
+        rc.released = True
+        for ci, nd, lo in rc.pins:
+            self._pin(ci, nd, lo, -1, True)
+        nd = rc.node
+        if rc.pins and nd.attached and not nd.children and not nd.locks[0] and not self._useful(nd):
+            outs = [array("i") for _ in self.components]
+            parent = nd.parent
+            self._remove(nd, outs)
+            self._prune_up(parent, outs)
+            return {c.name: o for c, o in zip(self.components, outs)}
+        return None
+
+    def _pin(self, ci: int, nd: Node, lo: int, delta: int, is_lock: bool) -> None:
+        lst = self.lists[ci]
+        structural = ci == 0
+        while nd.parent is not None and nd.end > lo:
+            if is_lock:
+                before = nd.locks[ci]
+                nd.locks[ci] = before + delta
+                if before == 0 or before + delta == 0:
+                    v = nd.value[ci]
+                    if v is not None:
+                        self.locked[ci] += len(v) if delta > 0 else -len(v)
+                    self._place(lst, ci, nd, structural)
+            else:
+                nd.refs[ci] += delta
+                self._place(lst, ci, nd, structural)
+            nd = nd.parent
+
+    # ------------------------------------------------------------------ sessions
+    def register_session(self, session_id, nd: Node) -> None:
+        """Reference what a finished request of this session would reuse next turn."""
+        self.close_session(session_id)
+        rc = LockReceipt(node=nd)
+        if nd.parent is not None:
+            for c in self.components:
+                lo = c.pin_from(nd)
+                if lo is None:
+                    continue
+                if lo > 0:
+                    self._ensure_boundary(nd, lo)
+                rc.pins.append((c.index, nd, lo))
+                self._pin(c.index, nd, lo, 1, False)
+        self.sessions[session_id] = rc
+
+    def close_session(self, session_id) -> bool:
+        rc = self.sessions.pop(session_id, None)
+        if rc is None:
+            return False
+        for ci, nd, lo in rc.pins:
+            self._pin(ci, nd, lo, -1, False)
+        return True
+
+    # ------------------------------------------------------------------ eviction
+    def _place(self, lst: EvictionList, ci: int, nd: Node, structural: bool) -> None:
+        if not nd.attached or nd.value[ci] is None or nd.locks[ci] or (structural and nd.children):
+            lst.place(nd, 0)
+        else:
+            lst.place(nd, 2 if nd.refs[ci] else 1)
+
+    def _place_all(self, nd: Node) -> None:
+        if nd.parent is None:
+            return
+        for ci, lst in enumerate(self.lists):
+            self._place(lst, ci, nd, ci == 0)
+
+    def evictable(self, name: str) -> int:
+        i = self.index[name]
+        return self.size[i] - self.locked[i]
+
+    def evict(self, **targets: int) -> EvictResult:
+        """Free at least the given number of handles per component, e.g.
+        evict(full_pages=64, swa_pages=16, mamba_slots=1); less when only locked data is left.
+        Internal SWA/MAMBA slots become tombstones; a leaf that can no longer serve a
+        valid boundary goes whole, and its parent is checked in turn."""
+        outs = [array("i") for _ in self.components]
+        want = [0] * self.nc
+        for k, v in targets.items():
+            i = self.evict_kws.get(k, self.index.get(k))
+            if i is None:
+                raise ValueError(f"unknown eviction target {k!r}; expected one of {sorted(self.evict_kws)}")
+            if v < 0:
+                raise ValueError(f"eviction target {k} must be >= 0, got {v}")
+            want[i] = v
+        removed0, tomb0 = self.removed_nodes, sum(self.tombstones)
+        for ci in range(self.nc):
+            lst = self.lists[ci]
+            out = outs[ci]
+            while len(out) < want[ci]:
+                nd = lst.pop()
+                if nd is None:
+                    break
+                if ci == 0 or not nd.children:
+                    parent = nd.parent
+                    self._remove(nd, outs)
+                    self._prune_up(parent, outs)
+                else:
+                    self._tombstone(nd, ci, outs)
+        for ci in range(self.nc):
+            self.evicted[ci] += len(outs[ci])
+        return EvictResult({c.name: o for c, o in zip(self.components, outs)},
+                           self.removed_nodes - removed0, sum(self.tombstones) - tomb0)
+
+    def _remove(self, nd: Node, outs: list[array]) -> None:
+        """Detach a leaf and free all its data."""
+        for ci, lst in enumerate(self.lists):
+            v = nd.value[ci]
+            if v is not None:
+                outs[ci] += v
+                self.size[ci] -= len(v)
+                nd.value[ci] = None
+            if nd.where[ci]:
+                lst.place(nd, 0)
+        parent = nd.parent
+        del parent.children[nd.key[:self.unit]]
+        nd.attached = False
+        self.removed_nodes += 1
+        self.num_nodes -= 1
+        if parent.parent is not None and not parent.children:
+            self._place(self.lists[0], 0, parent, True)
+
+    def _prune_up(self, nd: Node, outs: list[array]) -> None:
+        while nd.parent is not None and not nd.children and not nd.locks[0] and not self._useful(nd):
+            parent = nd.parent
+            self._remove(nd, outs)
+            nd = parent
+
+    def _useful(self, leaf: Node) -> bool:
+        for c in self.components[1:]:
+            if not c.accepts_end(leaf):
+                return False
+        return True
+
+    def _tombstone(self, nd: Node, ci: int, outs: list[array]) -> None:
+        c = self.components[ci]
+        v = nd.value[ci]
+        outs[ci] += v
+        self.size[ci] -= len(v)
+        nd.value[ci] = None
+        self.tombstones[ci] += 1
+        self._place(self.lists[ci], ci, nd, False)
+        if c.reach == 0:
+            return
+        limit = None if c.reach is None else nd.end + c.reach
+        leaves = []
+        stack = list(nd.children.values())
+        while stack:
+            x = stack.pop()
+            if limit is not None and x.start >= limit:
+                continue
+            if x.children:
+                stack.extend(x.children.values())
+            elif limit is None or x.end - c.reach < nd.end:
+                leaves.append(x)
+        for x in leaves:
+            if x.attached and not x.children and not x.locks[0] and not self._useful(x):
+                parent = x.parent
+                self._remove(x, outs)
+                self._prune_up(parent, outs)
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict:
+        return {
+            "nodes": self.num_nodes,
+            "sessions": len(self.sessions),
+            "removed_nodes": self.removed_nodes,
+            "components": {
+                c.name: {"size": self.size[i], "locked": self.locked[i],
+                         "evictable": self.size[i] - self.locked[i],
+                         "evicted": self.evicted[i], "tombstones": self.tombstones[i]}
+                for i, c in enumerate(self.components)
+            },
+        }
