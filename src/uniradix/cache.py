@@ -7,8 +7,6 @@ MAMBA checkpoints into request-owned slots (copy-on-write), and keeps the counts
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
-
 from .tree import CheckpointComponent, LockReceipt, RadixTree, encode
 from .tree.component import page_floor
 
@@ -19,7 +17,6 @@ class CacheFull(RuntimeError):
     """The pools cannot hold what was asked even after evicting everything unlocked."""
 
 
-@dataclass(eq=False)
 class CachedRequest:
     """The cache's view of one running request.
 
@@ -27,34 +24,38 @@ class CachedRequest:
     for pages below `prefix_len` belong to the tree (pinned by `receipt`); the rest are
     the request's own. `pages[name]` has one handle per allocated page, -1 where a
     windowed component's page was freed. `state_slot` is the request's private
-    recurrent state (a copy of the checkpoint it resumed from), valid at `state_len`.
+    recurrent state (a copy of the checkpoint it resumed from), valid at `state_len`;
+    `checkpoints` are further request-owned slots captured at page-aligned positions.
+    `cached_tokens` is what it reused when it started; `matched` is its junction.
     """
 
-    key: bytes
-    salt: object
-    priority: int | None
-    prefix_len: int
-    matched: int
-    pages: dict[str, array]
-    receipt: LockReceipt
-    node: object
-    state_slot: int | None = None
-    state_len: int = 0
-    checkpoints: dict[int, int] = field(default_factory=dict)
-    window_freed: int = 0  # pages below this index already had their out-of-window SWA freed
-    done: bool = False
+    __slots__ = ("key", "salt", "priority", "prefix_len", "matched", "pages", "receipt", "node",
+                 "state_slot", "state_len", "checkpoints", "window_freed", "done", "cached_tokens")
+
+    def __init__(self, key: bytes, salt, priority, prefix_len: int, matched: int,
+                 pages: dict, receipt: LockReceipt, node) -> None:
+        self.key = key
+        self.salt = salt
+        self.priority = priority
+        self.prefix_len = prefix_len
+        self.cached_tokens = prefix_len
+        self.matched = matched
+        self.pages = pages
+        self.receipt = receipt
+        self.node = node
+        self.state_slot: int | None = None
+        self.state_len = 0
+        self.checkpoints: dict[int, int] = {}
+        self.window_freed = 0
+        self.done = False
 
     @property
     def num_tokens(self) -> int:
         return len(self.key) // 4
 
-    @property
-    def cached_tokens(self) -> int:
-        """Tokens reused from the cache when the request started."""
-        return self._cached
-
-    def __post_init__(self) -> None:
-        self._cached = self.prefix_len
+    def __repr__(self) -> str:
+        return (f"CachedRequest(tokens={self.num_tokens}, cached={self.cached_tokens}, "
+                f"prefix_len={self.prefix_len}, matched={self.matched}, done={self.done})")
 
 
 class UnifiedRadixCache:
@@ -82,23 +83,46 @@ class UnifiedRadixCache:
     # ------------------------------------------------------------------ allocation
     def alloc(self, **counts: int) -> dict[str, array]:
         """Allocate per component name, evicting unlocked data on shortfall. All or
-        nothing: raises CacheFull and allocates nothing when locked data leaves too little."""
+        nothing: raises CacheFull and allocates nothing when locked data leaves too little.
+
+        Handles an eviction frees for a component being allocated go straight to the
+        caller (tree -> request: they stay allocated), so only the excess returns to
+        the pool."""
+        index, pools = self.tree.index, self.pools
         short = {}
         for name, n in counts.items():
             if n < 0:
                 raise ValueError(f"cannot allocate {n} {name} handles")
-            pool = self.pools[self.tree.index[name]]
+            pool = pools[index[name]]
             if pool.available < n:
-                short[self.comps[self.tree.index[name]].evict_kw] = n - pool.available
-        if short:
-            self._evict(**short)
-            for name, n in counts.items():
-                pool = self.pools[self.tree.index[name]]
-                if pool.available < n:
-                    raise CacheFull(
-                        f"cannot allocate {n} {name} handles: {pool.available} free and "
-                        f"{self.tree.evictable(name)} evictable; the rest is locked by running requests")
-        return {name: self.pools[self.tree.index[name]].alloc(n) for name, n in counts.items()}
+                short[self.comps[index[name]].evict_kw] = n - pool.available
+        if not short:
+            return {name: pools[index[name]].alloc(n) for name, n in counts.items()}
+        freed = self.tree.evict(**short).freed
+        got = {}
+        for name, h in freed.items():
+            n = counts.get(name, 0)
+            if n and h:
+                got[name] = h[:n]
+                h = h[n:]
+            if h:
+                pools[index[name]].free(h)
+        for name, n in counts.items():
+            have = got.get(name)
+            k = n - (len(have) if have is not None else 0)
+            if pools[index[name]].available < k:
+                for nm, hh in got.items():
+                    pools[index[nm]].free(hh)
+                raise CacheFull(
+                    f"cannot allocate {n} {name} handles: {pools[index[name]].available + n - k} "
+                    f"free and {self.tree.evictable(name)} evictable; the rest is locked by running requests")
+        for name, n in counts.items():
+            have = got.get(name)
+            if have is None:
+                got[name] = pools[index[name]].alloc(n)
+            elif len(have) < n:
+                have += pools[index[name]].alloc(n - len(have))
+        return got
 
     def free(self, **handles) -> None:
         for name, h in handles.items():
@@ -115,10 +139,9 @@ class UnifiedRadixCache:
         return self._evict(**targets)
 
     def _give_back(self, freed: dict[str, array]) -> None:
-        for pool, name in zip(self.pools, self.names):
-            h = freed[name]
+        for name, h in freed.items():
             if h:
-                pool.free(h)
+                self.pools[self.tree.index[name]].free(h)
 
     # ------------------------------------------------------------------ request lifecycle
     def match_prefix(self, tokens, salt=None, priority: int | None = None) -> CachedRequest:
@@ -155,18 +178,23 @@ class UnifiedRadixCache:
 
     def alloc_request(self, req: CachedRequest, upto: int | None = None) -> None:
         """Allocate the request's own pages so they cover its first `upto` tokens (all by default)."""
-        n = req.num_tokens if upto is None else upto
-        P = self.page_size
-        want = -(-n // P)
+        n = (len(req.key) >> 2) if upto is None else upto
+        want = -(-n // self.page_size)
+        pages = req.pages
         counts = {}
+        fits = True
         for c in self.page_comps:
-            have = len(req.pages[c.name])
-            if want > have:
-                counts[c.name] = want - have
-        if counts:
-            got = self.alloc(**counts)
-            for name, h in got.items():
-                req.pages[name] += h
+            k = want - len(pages[c.name])
+            if k > 0:
+                counts[c.name] = k
+                if self.pools[c.index].available < k:
+                    fits = False
+        if not counts:
+            return
+        got = {name: self.pools[self.tree.index[name]].alloc(k) for name, k in counts.items()} \
+            if fits else self.alloc(**counts)
+        for name, h in got.items():
+            pages[name] += h
 
     def append_tokens(self, req: CachedRequest, tokens) -> None:
         """Decode: extend the request by `tokens` and allocate their pages."""
@@ -280,19 +308,19 @@ class UnifiedRadixCache:
         self._give_back(r.free)
         if ck is not None and stray:
             self.pools[self.ckpt.index].free(stray)
-        # the tree now owns [0, n): the request continues on the tree's handles
         node = r.node
+        req.prefix_len = n
+        if finished:
+            for c in self.page_comps:
+                pages = req.pages[c.name]
+                if len(pages) > npages:  # the unaligned tail is not cached
+                    self.pools[c.index].free(array("i", (h for h in pages[npages:] if h >= 0)))
+            req.pages = {}
+            return node, r.receipt
+        # the tree now owns [0, n): the request goes on with the tree's handles
         path = node.path()
         for c in self.page_comps:
-            tree_h = self._tree_pages(c, path, n)
-            pages = req.pages[c.name]
-            if finished:
-                if len(pages) > npages:  # the unaligned tail
-                    self.pools[c.index].free(array("i", (h for h in pages[npages:] if h >= 0)))
-                req.pages[c.name] = tree_h
-            else:
-                req.pages[c.name] = tree_h + pages[npages:]
-        req.prefix_len = n
+            req.pages[c.name] = self._tree_pages(c, path, n) + req.pages[c.name][npages:]
         return node, r.receipt
 
     @staticmethod

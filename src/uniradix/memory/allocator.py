@@ -100,7 +100,10 @@ class HandleAllocator:
     "all allocated?" test be a ``count_nonzero``, the cheapest numpy check.)
     """
 
-    __slots__ = ("_size", "_name", "_free", "_state", "_mark")
+    __slots__ = ("_size", "_name", "_free", "_state", "_mark", "_cells")
+
+    #: batches up to this size take a scalar path: numpy's per-call cost dominates there
+    SMALL = 8
 
     def __init__(self, size: int, name: str = "pages"):
         try:
@@ -117,6 +120,7 @@ class HandleAllocator:
         self._free = array("i", range(size - 1, -1, -1))
         self._state = np.ones(size, dtype=np.int32)
         self._mark = np.arange(1, 1025, dtype=np.int32)
+        self._cells = memoryview(self._state)  # fast scalar access to the same memory
 
     # -- accounting ---------------------------------------------------------
     @property
@@ -156,11 +160,32 @@ class HandleAllocator:
             )
         out = free[start:]
         del free[start:]
-        self._state[np.frombuffer(out, dtype=_I32).astype(np.intp)] = 0
+        if n <= self.SMALL:
+            cells = self._cells
+            for h in out:
+                cells[h] = 0
+        else:
+            self._state[np.frombuffer(out, dtype=_I32).astype(np.intp)] = 0
         return out
 
     def free(self, handles) -> None:
         """Give handles back; raises DoubleFree and frees nothing if any is bad."""
+        if type(handles) is array and handles.typecode == "i" and len(handles) <= self.SMALL:
+            cells, size = self._cells, self._size
+            ok = True
+            for h in handles:
+                if not 0 <= h < size or cells[h]:
+                    ok = False
+                    break
+                cells[h] = -1  # provisional: a repeat within the batch now reads non-zero
+            if ok:
+                for h in handles:
+                    cells[h] = 1
+                self._free += handles
+                return
+            for h in handles:  # undo the provisional marks, then report like the bulk path
+                if 0 <= h < size and cells[h] == -1:
+                    cells[h] = 0
         try:
             idx = as_index_array(handles)
         except _NotInt32 as exc:

@@ -68,19 +68,19 @@ class Component:
         raise NotImplementedError
 
     # --- insert -----------------------------------------------------------------
-    def insert_points(self, n: int, junction: int | None, incoming) -> list[int]:
-        """Positions where nodes must be split so that values attach to whole nodes."""
-        return []
-
-    def retention(self, n: int, junction: int | None) -> list[Interval] | None:
-        return None
+    def plan(self, n: int, junction: int | None, incoming, prefix_len: int):
+        """For an insert of n tokens: (positions where nodes must split so values attach
+        to whole nodes, what to keep (passed back to adopt/reconcile), and the position
+        below which existing nodes need no reconcile)."""
+        return (), None, n
 
     def adopt(self, nd, incoming, keep, out: array) -> None:
         """Give a new node its value from `incoming`; unusable handles go to `out`."""
         raise NotImplementedError
 
-    def reconcile(self, nd, incoming, prefix_len: int, keep, out: array) -> None:
-        """An existing node the insert covers: duplicates go to `out`; a tombstone may heal."""
+    def reconcile(self, nd, incoming, prefix_len: int, keep, out: array) -> bool:
+        """An existing node the insert covers: duplicates go to `out`. True when a value
+        was attached where there was none (a tombstone healed, a checkpoint added)."""
         raise NotImplementedError
 
 
@@ -128,7 +128,8 @@ class PageComponent(Component):
 
     def accepts_end(self, nd):
         ci = self.index
-        lo = self.window_start(nd.end)
+        W = self.window
+        lo = 0 if W is None else nd.end - W  # pages touching [end - W, end) end after lo
         while nd.parent is not None and nd.end > lo:
             if nd.value[ci] is None:
                 return False
@@ -150,19 +151,18 @@ class PageComponent(Component):
     def pin_from(self, nd):
         return self.window_start(nd.end)
 
-    def retention(self, n, junction):
-        if self.window is None or self.keep_all:
-            return None
-        keep = [(self.window_start(n), n)]
+    def plan(self, n, junction, incoming, prefix_len):
+        W = self.window
+        if W is None or self.keep_all:
+            return (), None, prefix_len
+        P = self.page
+        e = n - W
+        e = e - e % P if e > 0 else 0
         if junction:
-            keep.append((self.window_start(junction), junction))
-        return keep
-
-    def insert_points(self, n, junction, incoming):
-        keep = self.retention(n, junction)
-        if keep is None:
-            return []
-        return [p for span in keep for p in span]
+            j = junction - W
+            j = j - j % P if j > 0 else 0
+            return (e, j, junction), [(e, n), (j, junction)], prefix_len
+        return (e,), [(e, n)], prefix_len
 
     @staticmethod
     def _kept(keep, s: int, e: int) -> bool:
@@ -176,22 +176,25 @@ class PageComponent(Component):
     def adopt(self, nd, incoming, keep, out):
         P = self.page
         v = incoming[nd.start // P: nd.end // P]
-        if self._kept(keep, nd.start, nd.end) and _all_present(v):
+        if self.structural:
+            nd.value[self.index] = v  # FULL comes whole (checked by the caller's length)
+        elif (keep is None or self._kept(keep, nd.start, nd.end)) and _ABSENT not in v.tobytes():
             nd.value[self.index] = v
         else:
             _release(v, out)
 
     def reconcile(self, nd, incoming, prefix_len, keep, out):
         if nd.end <= prefix_len:
-            return
+            return False
         P = self.page
         s = nd.start if nd.start > prefix_len else prefix_len
         v = incoming[s // P: nd.end // P]
         if nd.value[self.index] is None and s == nd.start and self._kept(keep, nd.start, nd.end) \
                 and _all_present(v):
             nd.value[self.index] = v  # heals a tombstone
-        else:
-            _release(v, out)
+            return True
+        _release(v, out)
+        return False
 
 
 _ABSENT = b"\xff\xff\xff\xff"  # -1 as int32; no valid (non-negative) handle contains these bytes
@@ -236,19 +239,22 @@ class CheckpointComponent(Component):
     def pin_from(self, nd):
         return nd.start if nd.value[self.index] is not None else None
 
-    def insert_points(self, n, junction, incoming):
-        return list(incoming) if incoming else []
+    def plan(self, n, junction, incoming, prefix_len):
+        if not incoming:
+            return (), None, n
+        return incoming, None, min(incoming) - 1
 
     def adopt(self, nd, incoming, keep, out):
-        slot = incoming.get(nd.end) if incoming else None
+        slot = incoming.get(nd.end)
         if slot is not None:
             nd.value[self.index] = array("i", (slot,))
 
     def reconcile(self, nd, incoming, prefix_len, keep, out):
-        slot = incoming.get(nd.end) if incoming else None
+        slot = incoming.get(nd.end)
         if slot is None:
-            return
+            return False
         if nd.value[self.index] is None:
             nd.value[self.index] = array("i", (slot,))
-        else:
-            out.append(slot)
+            return True
+        out.append(slot)
+        return False

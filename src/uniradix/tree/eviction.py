@@ -156,7 +156,7 @@ class EvictionList:
         return len(self.plain) + len(self.ref)
 
     def place(self, nd, tier: int) -> None:
-        """Put nd in tier 0 (not evictable), 1 (unreferenced) or 2 (session-referenced)."""
+        """Put nd in tier 1 (unreferenced) or 2 (session-referenced); tier 0 takes it out."""
         cur = nd.where[self.ci]
         if cur == tier:
             if tier == 2:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(slots=True)
@@ -51,15 +51,17 @@ class EvictResult:
         return len(self.freed[name])
 
 
-@dataclass(slots=True, eq=False)
 class LockReceipt:
     """Exactly what a lock pinned: per component (index, node, from) — the slots on the
     path from `node` upward whose span ends after `from`. Splits copy counts to the new
     part inside the same span, so the receipt stays exact."""
 
-    pins: list[tuple[int, object, int]] = field(default_factory=list)
-    released: bool = False
-    node: object = None
+    __slots__ = ("pins", "released", "node")
+
+    def __init__(self, node=None):
+        self.pins: list[tuple[int, object, int]] = []
+        self.released = False
+        self.node = node
 
     def nodes(self, ci: int) -> list:
         out = []
@@ -70,3 +72,6 @@ class LockReceipt:
                 out.append(nd)
                 nd = nd.parent
         return out
+
+    def __repr__(self) -> str:
+        return f"LockReceipt(node={self.node!r}, pins={len(self.pins)}, released={self.released})"

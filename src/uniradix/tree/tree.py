@@ -77,6 +77,7 @@ class RadixTree:
         self.num_nodes = 0
         self.sessions: dict[object, LockReceipt] = {}
         self._single = self.nc == 1
+        self._rules = self.components[1:]  # components that can make a leaf useless
 
     # ------------------------------------------------------------------ roots
     def root(self, salt=None) -> Node:
@@ -137,16 +138,22 @@ class RadixTree:
         return MatchResult(end, b, matched, handles, deepest)
 
     def _touch_path(self, path: list[Node], priority) -> None:
+        """An access: LRU ticks root to leaf (deeper is newer), LFU hits, request priority."""
+        clock = self.clock
         lists = self.lists
         for nd in path:
-            self.clock += 1
-            nd.tick = self.clock
+            clock += 1
+            nd.tick = clock
             nd.hits += 1
-            if priority is not None and priority > nd.priority:
-                nd.priority = priority
+            w = nd.where
             for lst in lists:
-                if nd.where[lst.ci]:
+                if w[lst.ci]:
                     lst.touch(nd)
+        self.clock = clock
+        if priority is not None:
+            for nd in path:
+                if priority > nd.priority:
+                    nd.priority = priority
 
     # ------------------------------------------------------------------ split
     def _split(self, nd: Node, k: int) -> Node:
@@ -176,14 +183,16 @@ class RadixTree:
         self._place_all(up)
         return up
 
-    def _ensure_boundary(self, nd: Node, pos: int) -> None:
-        """Make `pos` a node boundary on the path from nd to the root."""
+    def _ensure_boundary(self, nd: Node, pos: int) -> bool:
+        """Make `pos` a node boundary on the path from nd to the root; True if it split."""
         while nd.parent is not None and nd.start >= pos:
             if nd.start == pos:
-                return
+                return False
             nd = nd.parent
         if nd.parent is not None and nd.start < pos < nd.end:
             self._split(nd, pos - nd.start)
+            return True
+        return False
 
     # ------------------------------------------------------------------ insert
     def insert(self, tokens, values: dict, prefix_len: int = 0, junction: int | None = None,
@@ -234,8 +243,6 @@ class RadixTree:
                 leaf = self._new_node(nd, key, existing, n)
                 leaf.value[0] = v = full_in[existing // P:]
                 self.size[0] += len(v)
-                if nd.where[0]:
-                    self.lists[0].place(nd, 0)
                 path.append(leaf)
                 self._touch_path(path, priority)
                 leaf.created = leaf.tick
@@ -246,58 +253,60 @@ class RadixTree:
             return InsertResult(end, existing, free, self.lock(end) if lock else None)
 
         # boundaries the components need, then values attach to whole nodes
+        plans = [c.plan(n, junction, v, prefix_len) for c, v in zip(comps, inc)]
         points = set()
-        for c, v in zip(comps, inc):
-            for p in c.insert_points(n, junction, v):
-                p = page_floor(p, P)
+        for pts, _, _ in plans:
+            for p in pts:
+                p -= p % P
                 if 0 < p < n:
                     points.add(p)
-        keep = [c.retention(n, junction) for c in comps]
-        for p in sorted(points):
-            if p < existing:
-                self._ensure_boundary(path[-1], p)
         if existing and points:
-            path = path[-1].path()
+            split = False
+            for p in points:
+                if p < existing:
+                    split |= self._ensure_boundary(path[-1], p)
+            if split:
+                path = path[-1].path()
         new: list[Node] = []
         parent = path[-1] if path else root
-        cuts = sorted(p for p in points if p > existing) + [n]
         s = existing
-        for e in cuts:
-            if e <= s:
-                continue
-            nn = self._new_node(parent, key, s, e)
-            new.append(nn)
-            parent = nn
-            s = e
+        for e in sorted(p for p in points if p > existing) + [n]:
+            if e > s:
+                nn = self._new_node(parent, key, s, e)
+                new.append(nn)
+                parent = nn
+                s = e
         outs = [free[c.name] for c in comps]
-        before = [list(x.value) for x in path]
-        for c, v, kp, out in zip(comps, inc, keep, outs):
+        size, locked = self.size, self.locked
+        changed = []
+        for c, v, (_, keep, lo), out in zip(comps, inc, plans, outs):
             if v is None:
                 continue
-            for x in path:
-                c.reconcile(x, v, prefix_len, kp, out)
-            for x in new:
-                c.adopt(x, v, kp, out)
-        size, locked = self.size, self.locked
-        for x, old in zip(path, before):
-            for ci in range(self.nc):
-                v = x.value[ci]
-                if old[ci] is None and v is not None:
-                    size[ci] += len(v)
+            ci = c.index
+            for x in reversed(path):
+                if x.end <= lo:
+                    break
+                if c.reconcile(x, v, prefix_len, keep, out):
+                    k = len(x.value[ci])
+                    size[ci] += k
                     if x.locks[ci]:
-                        locked[ci] += len(v)
-        for x in new:
-            for ci in range(self.nc):
-                v = x.value[ci]
-                if v is not None:
-                    size[ci] += len(v)
-            if priority is not None:
-                x.priority = priority
-        touched = path + new
+                        locked[ci] += k
+                    changed.append(x)
+            for x in new:
+                c.adopt(x, v, keep, out)
+                if x.value[ci] is not None:
+                    size[ci] += len(x.value[ci])
+        touched = path + new if new else path
         self._touch_path(touched, priority)
+        lists = self.lists
         for x in new:
             x.created = x.tick
-        for x in touched:
+            w = x.where
+            for ci, v in enumerate(x.value):  # fresh: unlocked, unreferenced
+                if v is not None and (ci or not x.children):
+                    lists[ci].plain.add(x)
+                    w[ci] = 1
+        for x in changed:
             self._place_all(x)
         end = touched[-1] if touched else root
         if lock:
@@ -352,18 +361,26 @@ class RadixTree:
     def _pin(self, ci: int, nd: Node, lo: int, delta: int, is_lock: bool) -> None:
         lst = self.lists[ci]
         structural = ci == 0
-        while nd.parent is not None and nd.end > lo:
-            if is_lock:
-                before = nd.locks[ci]
-                nd.locks[ci] = before + delta
-                if before == 0 or before + delta == 0:
-                    v = nd.value[ci]
-                    if v is not None:
-                        self.locked[ci] += len(v) if delta > 0 else -len(v)
-                    self._place(lst, ci, nd, structural)
-            else:
+        if not is_lock:
+            while nd.parent is not None and nd.end > lo:
                 nd.refs[ci] += delta
                 self._place(lst, ci, nd, structural)
+                nd = nd.parent
+            return
+        while nd.parent is not None and nd.end > lo:
+            locks = nd.locks
+            before = locks[ci]
+            after = before + delta
+            locks[ci] = after
+            if not before or not after:
+                v = nd.value[ci]
+                if v is not None:
+                    if after:
+                        self.locked[ci] += len(v)  # stays listed; eviction skips it
+                    else:
+                        self.locked[ci] -= len(v)
+                        if not nd.where[ci] and not (structural and nd.children):
+                            lst.place(nd, 2 if nd.refs[ci] else 1)
             nd = nd.parent
 
     # ------------------------------------------------------------------ sessions
@@ -392,10 +409,20 @@ class RadixTree:
 
     # ------------------------------------------------------------------ eviction
     def _place(self, lst: EvictionList, ci: int, nd: Node, structural: bool) -> None:
-        if not nd.attached or nd.value[ci] is None or nd.locks[ci] or (structural and nd.children):
-            lst.place(nd, 0)
-        else:
+        """List nd if it is evictable now. Entries that stop being evictable (locked,
+        given children, tombstoned, detached) are left in place and skipped at pop."""
+        if nd.attached and nd.value[ci] is not None and not nd.locks[ci] \
+                and not (structural and nd.children):
             lst.place(nd, 2 if nd.refs[ci] else 1)
+
+    def _pop(self, ci: int):
+        """The next evictable slot of component ci, dropping stale entries on the way."""
+        lst = self.lists[ci]
+        while True:
+            nd = lst.pop()
+            if nd is None or (nd.attached and nd.value[ci] is not None and not nd.locks[ci]
+                              and not (ci == 0 and nd.children)):
+                return nd
 
     def _place_all(self, nd: Node) -> None:
         if nd.parent is None:
@@ -412,21 +439,20 @@ class RadixTree:
         evict(full_pages=64, swa_pages=16, mamba_slots=1); less when only locked data is left.
         Internal SWA/MAMBA slots become tombstones; a leaf that can no longer serve a
         valid boundary goes whole, and its parent is checked in turn."""
-        outs = [array("i") for _ in self.components]
-        want = [0] * self.nc
-        for k, v in targets.items():
-            i = self.evict_kws.get(k, self.index.get(k))
-            if i is None:
-                raise ValueError(f"unknown eviction target {k!r}; expected one of {sorted(self.evict_kws)}")
-            if v < 0:
-                raise ValueError(f"eviction target {k} must be >= 0, got {v}")
-            want[i] = v
+        outs = [array("i") for _ in self.lists]
         removed0, tomb0 = self.removed_nodes, sum(self.tombstones)
-        for ci in range(self.nc):
+        for k, want in targets.items():
+            ci = self.evict_kws.get(k)
+            if ci is None:
+                ci = self.index.get(k)
+                if ci is None:
+                    raise ValueError(f"unknown eviction target {k!r}; expected one of {sorted(self.evict_kws)}")
+            if want < 0:
+                raise ValueError(f"eviction target {k} must be >= 0, got {want}")
             lst = self.lists[ci]
             out = outs[ci]
-            while len(out) < want[ci]:
-                nd = lst.pop()
+            while len(out) < want:
+                nd = self._pop(ci)
                 if nd is None:
                     break
                 if ci == 0 or not nd.children:
@@ -435,27 +461,27 @@ class RadixTree:
                     self._prune_up(parent, outs)
                 else:
                     self._tombstone(nd, ci, outs)
-        for ci in range(self.nc):
-            self.evicted[ci] += len(outs[ci])
-        return EvictResult({c.name: o for c, o in zip(self.components, outs)},
-                           self.removed_nodes - removed0, sum(self.tombstones) - tomb0)
+        evicted = self.evicted
+        for ci, o in enumerate(outs):
+            evicted[ci] += len(o)
+        return EvictResult(dict(zip(self.names, outs)), self.removed_nodes - removed0,
+                           sum(self.tombstones) - tomb0)
 
     def _remove(self, nd: Node, outs: list[array]) -> None:
         """Detach a leaf and free all its data."""
-        for ci, lst in enumerate(self.lists):
-            v = nd.value[ci]
+        value, size = nd.value, self.size
+        for ci in range(self.nc):
+            v = value[ci]
             if v is not None:
                 outs[ci] += v
-                self.size[ci] -= len(v)
-                nd.value[ci] = None
-            if nd.where[ci]:
-                lst.place(nd, 0)
+                size[ci] -= len(v)
+                value[ci] = None
         parent = nd.parent
         del parent.children[nd.key[:self.unit]]
         nd.attached = False
         self.removed_nodes += 1
         self.num_nodes -= 1
-        if parent.parent is not None and not parent.children:
+        if not parent.children and parent.parent is not None:
             self._place(self.lists[0], 0, parent, True)
 
     def _prune_up(self, nd: Node, outs: list[array]) -> None:
@@ -465,7 +491,7 @@ class RadixTree:
             nd = parent
 
     def _useful(self, leaf: Node) -> bool:
-        for c in self.components[1:]:
+        for c in self._rules:
             if not c.accepts_end(leaf):
                 return False
         return True

@@ -1,0 +1,314 @@
+"""`RadixTree.match` against a brute-force reading of the boundary rule (DESIGN §3).
+
+For every page-aligned b in [0, matched] the reference checks each component's rule
+directly on per-page presence read from the nodes along the query's path:
+
+- FULL (and any window-less page component): present on every page of [0, b);
+- SWA (window W): present on every page touching [max(0, b - W), b);
+- MAMBA: a checkpoint at exactly b;
+
+and `matched` is the longest page-aligned common prefix with any root-to-leaf key
+sequence. Trees are random: page sizes, windows, retention (keep_all or the default
+windows at the end and the junction), SWA holes, checkpoints (at the junction too),
+per-component evictions that leave tombstones, locks, and queries that are prefixes,
+extensions and branches of inserted sequences, aligned or not.
+"""
+from __future__ import annotations
+
+import random
+import time
+from array import array
+from pathlib import Path
+import importlib.util
+import sys
+
+import pytest
+
+from uniradix.tree import POLICIES, CheckpointComponent, FullComponent, MambaComponent, RadixTree, SWAComponent
+
+
+def _helpers():
+    name = "uniradix_tree_test_helpers"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("helpers.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+H = _helpers()
+
+
+# --------------------------------------------------------------------------- random trees
+class Sim:
+    """One random tree and the sequences put into it."""
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        P = self.P = rng.choice([1, 2, 4, 8])
+        comps = [FullComponent()]
+        kinds = rng.choice(["full", "swa", "mamba", "swa+mamba", "swa+mamba", "swa+mamba",
+                            "all", "swa+swa2", "mamba+wpx"])
+        self.windows = {}
+        if "swa" in kinds or kinds == "all":
+            W = rng.choice([1, P, 2 * P, 3 * P, rng.randint(1, 4 * P)])
+            keep = rng.random() < 0.5
+            comps.append(SWAComponent(W, keep_all=keep))
+            self.windows["swa"] = W
+        if "swa2" in kinds or kinds == "all":
+            W2 = rng.choice([P, 2 * P, rng.randint(1, 3 * P)])
+            comps.append(H.SecondSWAComponent(W2, keep_all=rng.random() < 0.5))
+        if "mamba" in kinds or kinds == "all":
+            comps.append(MambaComponent())
+        if "wpx" in kinds or kinds == "all":
+            comps.append(H.WholePrefixComponent())
+        tail = comps[1:]
+        rng.shuffle(tail)
+        self.tree = RadixTree([comps[0]] + tail, page_size=P, eviction_policy=rng.choice(POLICIES))
+        self.names = self.tree.names
+        self.alphabet = rng.choice([2, 3, 5])
+        self.maxpages = rng.choice([4, 6, 10])
+        self.seqs: list[list[int]] = []
+        self.receipts = []
+        self.hole_p = rng.choice([0.0, 0.1, 0.3])
+        self.ckpt_p = rng.choice([0.2, 0.5, 0.9])
+        self.ledger = H.Ledger(self.tree)
+
+    # ---------------------------------------------------------------- sequences
+    def tokens(self, k: int) -> list[int]:
+        a = self.alphabet
+        return [self.rng.randrange(a) for _ in range(k)]
+
+    def new_seq(self) -> list[int]:
+        rng, P = self.rng, self.P
+        n = rng.randint(1, self.maxpages) * P + (rng.randrange(P) if rng.random() < 0.3 else 0)
+        if self.seqs and rng.random() < 0.8:
+            base = rng.choice(self.seqs)
+            cut = rng.randint(0, len(base))
+            if rng.random() < 0.5:
+                cut -= cut % P
+            seq = base[:cut] + self.tokens(max(0, n - cut))
+            if rng.random() < 0.3 and cut < len(seq):  # force a divergence right at cut
+                seq[cut] = (seq[cut] + 1) % self.alphabet if cut >= len(base) else (base[cut] + 1) % self.alphabet
+            return seq
+        return self.tokens(n)
+
+    def query(self) -> list[int]:
+        rng, P = self.rng, self.P
+        if not self.seqs or rng.random() < 0.1:
+            return self.tokens(rng.randint(0, self.maxpages * P))
+        base = rng.choice(self.seqs)
+        kind = rng.randrange(4)
+        if kind == 0:       # exact
+            return list(base)
+        if kind == 1:       # prefix, aligned or not
+            cut = rng.randint(0, len(base))
+            if rng.random() < 0.5:
+                cut -= cut % P
+            return base[:cut]
+        if kind == 2:       # extension
+            return base + self.tokens(rng.randint(1, 3 * P))
+        cut = rng.randint(0, len(base))  # branch
+        out = base[:cut] + self.tokens(rng.randint(1, 3 * P))
+        if cut < len(base):
+            out[cut] = (base[cut] + 1) % self.alphabet
+        return out
+
+    # ---------------------------------------------------------------- operations
+    def insert(self) -> None:
+        rng, P, tree, led = self.rng, self.P, self.tree, self.ledger
+        seq = self.new_seq()
+        n = len(seq) - len(seq) % P
+        npages = n // P
+        # junction: where the request left the cached path (as a scheduler would say)
+        prefix_len, reused = 0, array("i")
+        if rng.random() < 0.3:
+            # the realistic flow: match, reuse up to the boundary, hand over the rest
+            m = tree.match(seq)
+            prefix_len, reused = m.boundary, m.handles["full"]
+        junction = None
+        r = rng.random()
+        if r < 0.4:
+            junction = H.brute_matched(tree, seq)[0]
+        elif r < 0.6:
+            junction = rng.randint(0, n)
+        below = prefix_len // P
+        values = {}
+        for c in tree.components:
+            name = c.name
+            if name == "mamba":
+                cks = {q * P for q in range(1, npages + 1) if rng.random() < self.ckpt_p / 2}
+                if n and rng.random() < self.ckpt_p:
+                    cks.add(n)  # end of the request
+                if junction and rng.random() < 0.6:
+                    cks.add(page_floor(min(junction, n), P))  # at the junction
+                values[name] = {p: led.slot(name) for p in sorted(cks) if 0 < p <= n}
+            elif name == "full":
+                values[name] = reused + led.page_values(name, npages - below)
+            else:
+                if rng.random() < 0.1:
+                    continue  # this request brings no data for the component
+                absent = {q for q in range(npages - below) if rng.random() < self.hole_p}
+                values[name] = array("i", [-1] * below) + led.page_values(name, npages - below, absent)
+        lock = rng.random() < 0.25
+        res = tree.insert(seq, values, prefix_len=prefix_len, junction=junction, lock=lock)
+        led.returned(res.free)
+        if res.receipt is not None:
+            self.receipts.append((res.receipt, self._had(res.receipt.node)))
+        self.seqs.append(seq)
+
+    def evict(self) -> None:
+        rng, tree = self.rng, self.tree
+        c = rng.choice(tree.components)
+        k = rng.choice([1, 1, 2, 3, 8])
+        ev = tree.evict(**{c.evict_kw: k})
+        self.ledger.returned(ev.freed)
+
+    def lock(self) -> None:
+        nodes = H.all_nodes(self.tree)
+        if nodes:
+            nd = self.rng.choice(nodes)
+            had = self._had(nd)
+            self.receipts.append((self.tree.lock(nd), had))
+
+    def _had(self, nd) -> dict[str, bool]:
+        """Which checkpoint slots a lock on nd pins (MAMBA pins its checkpoint, if any)."""
+        return {c.name: nd.value[c.index] is not None
+                for c in self.tree.components if isinstance(c, CheckpointComponent)}
+
+    def unlock(self) -> None:
+        if self.receipts:
+            rc, _ = self.receipts.pop(self.rng.randrange(len(self.receipts)))
+            self.ledger.returned(self.tree.unlock(rc))
+
+    def check_query(self, q=None) -> None:
+        H.check_match(self.tree, self.query() if q is None else q, recheck=self.rng.random() < 0.2)
+
+    def step(self) -> None:
+        r = self.rng.random()
+        if r < 0.45:
+            self.insert()
+        elif r < 0.65:
+            self.evict()
+        elif r < 0.72:
+            self.lock()
+        elif r < 0.8:
+            self.unlock()
+        else:
+            self.check_query()
+
+
+def page_floor(x: int, P: int) -> int:
+    return x - x % P
+
+
+def run_case(seed: int, steps: int, queries_per_step: int = 1, ledger: bool = False) -> int:
+    """Drive one random tree; after every step check a few random queries against the
+    reference. Returns the number of queries checked."""
+    rng = random.Random(seed)
+    sim = Sim(rng)
+    checked = 0
+    for _ in range(steps):
+        sim.step()
+        for _ in range(queries_per_step):
+            sim.check_query()
+            checked += 1
+    for seq in sim.seqs:  # every inserted sequence, whatever is left of it
+        sim.check_query(seq)
+        checked += 1
+    H.check_structure(sim.tree)
+    if ledger:
+        sim.ledger.check()
+        H.check_locks(sim.tree, sim.receipts)
+        while sim.receipts:  # release everything: counts go back to zero
+            sim.unlock()
+        H.check_locks(sim.tree, [])
+        sim.ledger.check()
+    return checked
+
+
+def _run(seeds, steps, qps):
+    total = 0
+    for seed in seeds:
+        try:
+            total += run_case(seed, steps, qps)
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}: {e}") from e
+    return total
+
+
+@pytest.mark.parametrize("block", range(4))
+def test_match_equals_reference(block):
+    """4 x 500 random trees, ~14 steps each, a query after every step."""
+    t0 = time.perf_counter()
+    n = _run(range(block * 500, (block + 1) * 500), steps=14, qps=1)
+    assert n > 500 * 14
+    assert time.perf_counter() - t0 < 60  # a guard against a runaway case, not a benchmark
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", range(20))
+def test_match_equals_reference_slow(block):
+    _run(range(100_000 + block * 2000, 100_000 + (block + 1) * 2000), steps=30, qps=2)
+
+
+# --------------------------------------------------------------------------- targeted cases
+def _tree(P, W=None, keep_all=True, mamba=True):
+    comps = [FullComponent()]
+    if W is not None:
+        comps.append(SWAComponent(W, keep_all=keep_all))
+    if mamba:
+        comps.append(MambaComponent())
+    return RadixTree(comps, page_size=P)
+
+
+@pytest.mark.parametrize("P", [1, 2, 4, 8])
+@pytest.mark.parametrize("W", [1, 3, 4, 8, 13])
+def test_every_single_hole_position(P, W):
+    """One SWA page missing, anywhere on a 10-page path, checkpoints everywhere:
+    every query prefix agrees with the reference, and the boundary skips exactly the
+    positions whose window touches the hole."""
+    for hole in range(10):
+        tree = _tree(P, W)
+        seq = [(7 * i) % 11 for i in range(10 * P)]
+        swa = array("i", (-1 if q == hole else 500 + q for q in range(10)))
+        # one node per page, so that the hole takes only its own page
+        tree.insert(seq, {"full": array("i", range(100, 110)), "swa": swa,
+                          "mamba": {P * (q + 1): 700 + q for q in range(10)}}, lock=True)
+        for cut in range(0, 10 * P + 1):
+            exp = H.check_match(tree, seq[:cut])
+            b = exp.matched
+            if b == 0:
+                continue
+            touches = max(0, b - W) < (hole + 1) * P and hole * P < b
+            assert (exp.boundary == b) == (not touches)
+
+
+def test_junction_checkpoint_and_retention_windows():
+    """Default retention: SWA kept only in the windows at the end and at the junction;
+    a junction checkpoint makes the junction a boundary for the second request's
+    siblings."""
+    P, W = 2, 4
+    tree = _tree(P, W, keep_all=False)
+    a = [1] * 16
+    tree.insert(a, {"full": array("i", range(8)), "swa": array("i", range(100, 108)),
+                    "mamba": {16: 200}})
+    H.check_structure(tree)
+    exp = H.check_match(tree, a)
+    assert exp.boundary == 16
+    # SWA of pages outside [12, 16) went at once (the tree returned them)
+    exp = H.check_match(tree, a[:10])
+    assert exp.matched == 10 and exp.deepest["swa"] == 0 and exp.boundary == 0
+    b = a[:10] + [2] * 6
+    r = tree.insert(b, {"full": array("i", range(10, 18)), "swa": array("i", range(110, 118)),
+                        "mamba": {10: 201, 16: 202}}, junction=10)
+    assert sorted(r.free["full"]) == list(range(10, 15))
+    # the junction window [6, 10) is kept: a third branch at 10 resumes there
+    exp = H.check_match(tree, a[:10] + [3] * 6)
+    assert (exp.matched, exp.boundary) == (10, 10)
+    assert exp.handles["mamba"] == [201]
+    assert exp.handles["swa"] == [113, 114]
+    exp = H.check_match(tree, b)
+    assert exp.boundary == 16
+    H.check_structure(tree)
