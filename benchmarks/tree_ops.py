@@ -12,8 +12,10 @@ checkpoint at its junction, as the engine does. The last line is one JSON object
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import random
 import sys
 import time
 
@@ -31,6 +33,32 @@ def load_trace(path: str) -> list[list[int]]:
     data = np.load(path)
     tokens, offsets = data["tokens"], data["offsets"]
     return [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
+
+
+def synthetic_trace(n: int, seed: int = 0, vocab: int = 50_000) -> list[list[int]]:
+    """Chat-like traffic: shared system prompts of skewed popularity, and conversations
+    that come back for another turn (the whole history plus a new message), so the
+    cache sees both wide sharing and deep reuse. Each entry is the full sequence a
+    request leaves behind (prompt plus its answer)."""
+    rng = random.Random(seed)
+    systems = [[rng.randrange(vocab) for _ in range(rng.randint(256, 1024))] for _ in range(48)]
+    popularity = [1.0 / (k + 1) for k in range(len(systems))]
+    live: list[list[int]] = []
+    out = []
+    for _ in range(n):
+        turn = [rng.randrange(vocab) for _ in range(rng.randint(24, 320))]
+        if live and rng.random() < 0.4:
+            k = len(live) - 1 - min(int(rng.expovariate(1 / 64)), len(live) - 1)
+            history = live.pop(k)
+        else:
+            history = list(rng.choices(systems, popularity)[0])
+        prompt = (history + turn)[-6000:]
+        full = prompt + [rng.randrange(vocab) for _ in range(rng.randint(16, 160))]
+        out.append(full)
+        live.append(full)
+        if len(live) > 1000:
+            live.pop(0)
+    return out
 
 
 def build(mode: str, capacity: int, page_size: int, policy: str) -> UnifiedRadixCache:
@@ -73,16 +101,29 @@ def run(trace: list[list[int]], mode: str, capacity: int, page_size: int = 1, po
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", required=True, help=".npz trace (../shared/peers/trace.py format)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help=".npz trace (../shared/peers/trace.py format: tokens, offsets)")
+    src.add_argument("--synthetic", type=int, metavar="N", help="generate a chat-like trace of N requests")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
     ap.add_argument("--capacity", type=int, default=200_000, help="FULL (and SWA) pool size in tokens")
     ap.add_argument("--mode", choices=("full", "swa", "mamba"), default="full")
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--radix-eviction-policy", default="lru")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
+    ap.add_argument("--no-gc-freeze", action="store_true",
+                    help="leave the loaded trace in the cyclic GC's view (slower, as the peers' harness does)")
     a = ap.parse_args()
-    if not os.path.exists(a.trace):
-        sys.exit(f"no trace at {a.trace}; make one with ../shared/peers/trace.py OUT.npz N")
-    r = run(load_trace(a.trace), a.mode, a.capacity, a.page_size, a.radix_eviction_policy)
+    if a.trace is not None:
+        if not os.path.exists(a.trace):
+            sys.exit(f"no trace at {a.trace}; make one with ../shared/peers/trace.py OUT.npz N")
+        trace = load_trace(a.trace)
+    else:
+        trace = synthetic_trace(a.synthetic, a.seed)
+    if not a.no_gc_freeze:
+        # The input (millions of token ints in lists) would otherwise be rescanned by
+        # every full collection; the cache's own objects are collected as usual.
+        gc.freeze()
+    r = run(trace, a.mode, a.capacity, a.page_size, a.radix_eviction_policy)
     if not a.json:
         for k, v in r.items():
             print(f"{k:16s} {v}")

@@ -64,7 +64,8 @@ class Component:
 
     def pin_from(self, nd) -> int | None:
         """A lock or session reference at nd pins this component's slot on every path
-        node with end > the returned position; None pins nothing."""
+        node with end > the returned position; -1 pins nd alone (its value never moves
+        to another node); None pins nothing."""
         raise NotImplementedError
 
     # --- insert -----------------------------------------------------------------
@@ -237,7 +238,7 @@ class CheckpointComponent(Component):
         return array("i")
 
     def pin_from(self, nd):
-        return nd.start if nd.value[self.index] is not None else None
+        return -1 if nd.value[self.index] is not None else None
 
     def plan(self, n, junction, incoming, prefix_len):
         if not incoming:

@@ -53,8 +53,8 @@ class EvictResult:
 
 class LockReceipt:
     """Exactly what a lock pinned: per component (index, node, from) — the slots on the
-    path from `node` upward whose span ends after `from`. Splits copy counts to the new
-    part inside the same span, so the receipt stays exact."""
+    path from `node` upward whose span ends after `from` (from = -1: `node` alone). Splits
+    copy counts to the new part inside the same span, so the receipt stays exact."""
 
     __slots__ = ("pins", "released", "node")
 
@@ -67,6 +67,9 @@ class LockReceipt:
         out = []
         for c, nd, lo in self.pins:
             if c != ci:
+                continue
+            if lo < 0:
+                out.append(nd)
                 continue
             while nd.parent is not None and nd.end > lo:
                 out.append(nd)

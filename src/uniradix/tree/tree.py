@@ -359,15 +359,17 @@ class RadixTree:
         return None
 
     def _pin(self, ci: int, nd: Node, lo: int, delta: int, is_lock: bool) -> None:
+        """Walk the pinned span (see Component.pin_from) and move lock or reference counts."""
         lst = self.lists[ci]
         structural = ci == 0
+        stop = nd.parent if lo < 0 else None  # lo < 0: the node alone
         if not is_lock:
-            while nd.parent is not None and nd.end > lo:
+            while nd is not stop and nd.parent is not None and nd.end > lo:
                 nd.refs[ci] += delta
                 self._place(lst, ci, nd, structural)
                 nd = nd.parent
             return
-        while nd.parent is not None and nd.end > lo:
+        while nd is not stop and nd.parent is not None and nd.end > lo:
             locks = nd.locks
             before = locks[ci]
             after = before + delta
