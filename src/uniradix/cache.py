@@ -98,15 +98,18 @@ class UnifiedRadixCache:
                 short[self.comps[index[name]].evict_kw] = n - pool.available
         if not short:
             return {name: pools[index[name]].alloc(n) for name, n in counts.items()}
-        freed = self.tree.evict(**short).freed
+        want = [0] * len(pools)
+        for kw, k in short.items():
+            want[self.tree.evict_kws[kw]] = k
         got = {}
-        for name, h in freed.items():
+        for ci, h in enumerate(self.tree.evict_counts(want)):
+            name = self.names[ci]
             n = counts.get(name, 0)
             if n and h:
                 got[name] = h[:n]
                 h = h[n:]
             if h:
-                pools[index[name]].free(h)
+                pools[ci].free(h)
         for name, n in counts.items():
             have = got.get(name)
             k = n - (len(have) if have is not None else 0)
@@ -148,8 +151,8 @@ class UnifiedRadixCache:
         """Match, lock what the match returns, and give the request a private copy of
         the checkpoint it resumes from."""
         key = tokens if isinstance(tokens, bytes) else encode(tokens)
-        m = self.tree.match(key, salt, priority)
-        rc = self.tree.lock(m.node)
+        m = self.tree.match(key, salt, priority, lock=True)
+        rc = m.receipt
         b = m.boundary
         P = self.page_size
         pages = {}

@@ -10,13 +10,15 @@ class MatchResult:
     """`boundary`: deepest page-aligned position every component accepts; `node` ends
     exactly there (the root when 0). `matched`: how far the tokens matched at all (FULL,
     structural). `handles[name]`: what to reuse up to the boundary. `deepest[name]`: the
-    deepest boundary that component alone would accept, to see what stopped reuse."""
+    deepest boundary that component alone would accept, to see what stopped reuse.
+    `receipt`: the lock on `node` when the match was asked to lock."""
 
     node: object
     boundary: int
     matched: int
     handles: dict[str, array]
     deepest: dict[str, int]
+    receipt: "LockReceipt | None" = None
 
     @property
     def stopped_by(self) -> list[str]:

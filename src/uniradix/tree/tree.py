@@ -87,8 +87,9 @@ class RadixTree:
         return r
 
     # ------------------------------------------------------------------ match
-    def match(self, tokens, salt=None, priority: int | None = None) -> MatchResult:
-        """Longest reusable prefix; splits a node so that `result.node` ends at the boundary."""
+    def match(self, tokens, salt=None, priority: int | None = None, lock: bool = False) -> MatchResult:
+        """Longest reusable prefix; splits a node so that `result.node` ends at the boundary.
+        With `lock`, `result.receipt` pins what the result hands out."""
         key = tokens if isinstance(tokens, bytes) else encode(tokens)
         unit = self.unit
         nd = self.root(salt)
@@ -109,14 +110,16 @@ class RadixTree:
         matched = off // TOKEN_BYTES
         if self._single:
             b = matched
-            deepest = None
+            limits = (b,)
         else:
-            acc = [c.accepted(path, matched) for c in self.components]
-            cur = acc[0]
-            for a in acc[1:]:
+            # FULL is on every node the tree has: it accepts all of [0, matched]
+            cur = [(0, matched)]
+            limits = [matched]
+            for c in self._rules:
+                a = c.accepted(path, matched)
+                limits.append(a[-1][1])
                 cur = intersect(cur, a)
             b = cur[-1][1]
-            deepest = {c.name: a[-1][1] for c, a in zip(self.components, acc)}
         # the reuse path ends exactly at b: split the node that contains it
         cut = 0
         for x in path:
@@ -132,10 +135,11 @@ class RadixTree:
         self._touch_path(touched, priority)
         reuse = path[:cut]
         end = reuse[-1] if reuse else self.root(salt)
-        handles = {c.name: c.handles(reuse, b) for c in self.components}
-        if deepest is None:
-            deepest = {self.names[0]: b}
-        return MatchResult(end, b, matched, handles, deepest)
+        handles = {}
+        for c in self.components:
+            handles[c.name] = c.handles(reuse, b)
+        return MatchResult(end, b, matched, handles, dict(zip(self.names, limits)),
+                           self.lock(end) if lock else None)
 
     def _touch_path(self, path: list[Node], priority) -> None:
         """An access: LRU ticks root to leaf (deeper is newer), LFU hits, request priority."""
@@ -211,7 +215,7 @@ class RadixTree:
         nbytes = len(key) - len(key) % unit
         n = nbytes // TOKEN_BYTES
         comps = self.components
-        inc = [values.get(c.name) for c in comps]
+        inc = list(map(values.get, self.names))
         full_in = inc[0]
         if full_in is None or len(full_in) != n // P:
             raise ValueError(f"insert needs {n // P} FULL handles for {n} tokens (page {P}), "
@@ -235,7 +239,7 @@ class RadixTree:
             path.append(ch)
             nd = ch
         existing = off // TOKEN_BYTES
-        free = {c.name: array("i") for c in comps}
+        free = dict(zip(self.names, [array("i") for _ in inc]))
         if self._single:
             if existing > prefix_len:
                 free[self.names[0]] = full_in[prefix_len // P: existing // P]
@@ -441,19 +445,27 @@ class RadixTree:
         evict(full_pages=64, swa_pages=16, mamba_slots=1); less when only locked data is left.
         Internal SWA/MAMBA slots become tombstones; a leaf that can no longer serve a
         valid boundary goes whole, and its parent is checked in turn."""
-        outs = [array("i") for _ in self.lists]
-        removed0, tomb0 = self.removed_nodes, sum(self.tombstones)
-        for k, want in targets.items():
+        want = [0] * self.nc
+        for k, v in targets.items():
             ci = self.evict_kws.get(k)
             if ci is None:
                 ci = self.index.get(k)
                 if ci is None:
                     raise ValueError(f"unknown eviction target {k!r}; expected one of {sorted(self.evict_kws)}")
-            if want < 0:
-                raise ValueError(f"eviction target {k} must be >= 0, got {want}")
-            lst = self.lists[ci]
+            if v < 0:
+                raise ValueError(f"eviction target {k} must be >= 0, got {v}")
+            want[ci] = v
+        removed0, tomb0 = self.removed_nodes, sum(self.tombstones)
+        outs = self.evict_counts(want)
+        return EvictResult(dict(zip(self.names, outs)), self.removed_nodes - removed0,
+                           sum(self.tombstones) - tomb0)
+
+    def evict_counts(self, want: list[int]) -> list[array]:
+        """evict() by component index: the freed handles per component."""
+        outs = [array("i") for _ in want]
+        for ci, k in enumerate(want):
             out = outs[ci]
-            while len(out) < want:
+            while len(out) < k:
                 nd = self._pop(ci)
                 if nd is None:
                     break
@@ -466,8 +478,7 @@ class RadixTree:
         evicted = self.evicted
         for ci, o in enumerate(outs):
             evicted[ci] += len(o)
-        return EvictResult(dict(zip(self.names, outs)), self.removed_nodes - removed0,
-                           sum(self.tombstones) - tomb0)
+        return outs
 
     def _remove(self, nd: Node, outs: list[array]) -> None:
         """Detach a leaf and free all its data."""
