@@ -211,6 +211,7 @@ def check_match(tree, tokens, salt=None, recheck: bool = False) -> Expected:
     for name, hs in exp.handles.items():
         assert list(res.handles[name]) == hs, (name, ctx)
     assert res.node.end == exp.boundary, ctx
+    assert res.node.parent is None or res.node.attached, ctx
     assert node_tokens(res.node) == list(tokens[: exp.boundary]), ctx
     if exp.boundary < exp.matched:
         assert res.stopped_by == [n for n, d in exp.deepest.items() if d < exp.matched], ctx
@@ -300,8 +301,22 @@ def check_locks(tree, live) -> None:
     for nd in all_nodes(tree):
         for c in tree.components:
             got = nd.locks[c.index]
-            assert got == want.get((id(nd), c.index), 0), (c.name, nd, got, want.get((id(nd), c.index), 0))
+            exp = want.get((id(nd), c.index), 0)
+            assert got == exp, f"{c.name} lock count {got} on {nd}, live receipts pin it {exp} times"
             v = nd.value[c.index]
             if got and v is not None:
                 locked[c.index] += len(v)
-    assert locked == list(tree.locked), (locked, tree.locked)
+    assert locked == list(tree.locked), \
+        f"tree.locked says {list(tree.locked)} handles are pinned, the locked slots hold {locked}"
+
+
+def check_useful_leaves(tree) -> None:
+    """DESIGN §3, useless leaves go: every leaf that no lock holds can serve a valid
+    boundary at its own end (each component accepts it, by the brute-force rule)."""
+    for nd in all_nodes(tree):
+        if nd.children or nd.locks[0]:
+            continue
+        toks = node_tokens(nd)
+        exp = brute_force(tree, toks)
+        assert exp.matched == nd.end
+        assert exp.boundary == nd.end, f"useless unlocked leaf {nd}: deepest {exp.deepest}"

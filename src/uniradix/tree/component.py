@@ -69,10 +69,11 @@ class Component:
         raise NotImplementedError
 
     # --- insert -----------------------------------------------------------------
-    def plan(self, n: int, junction: int | None, incoming, prefix_len: int):
+    def plan(self, n: int, junction: int | None, incoming, prefix_len: int, out: array):
         """For an insert of n tokens: (positions where nodes must split so values attach
         to whole nodes, what to keep (passed back to adopt/reconcile), and the position
-        below which existing nodes need no reconcile)."""
+        below which existing nodes need no reconcile). Handles that can attach nowhere
+        go to `out` now."""
         return (), None, n
 
     def adopt(self, nd, incoming, keep, out: array) -> None:
@@ -152,7 +153,7 @@ class PageComponent(Component):
     def pin_from(self, nd):
         return self.window_start(nd.end)
 
-    def plan(self, n, junction, incoming, prefix_len):
+    def plan(self, n, junction, incoming, prefix_len, out):
         W = self.window
         if W is None or self.keep_all:
             return (), None, prefix_len
@@ -240,10 +241,16 @@ class CheckpointComponent(Component):
     def pin_from(self, nd):
         return -1 if nd.value[self.index] is not None else None
 
-    def plan(self, n, junction, incoming, prefix_len):
+    def plan(self, n, junction, incoming, prefix_len, out):
         if not incoming:
             return (), None, n
-        return incoming, None, min(incoming) - 1
+        P = self.page
+        points = [p for p in incoming if 0 < p <= n and p % P == 0]
+        if len(points) < len(incoming):  # unaligned, past the aligned end, or at 0
+            out.extend(s for p, s in incoming.items() if not (0 < p <= n and p % P == 0))
+        if not points:
+            return (), None, n
+        return points, None, min(points) - 1
 
     def adopt(self, nd, incoming, keep, out):
         slot = incoming.get(nd.end)

@@ -257,7 +257,8 @@ class RadixTree:
             return InsertResult(end, existing, free, self.lock(end) if lock else None)
 
         # boundaries the components need, then values attach to whole nodes
-        plans = [c.plan(n, junction, v, prefix_len) for c, v in zip(comps, inc)]
+        plans = [c.plan(n, junction, v, prefix_len, out)
+                 for c, v, out in zip(comps, inc, free.values())]
         points = set()
         for pts, _, _ in plans:
             for p in pts:
@@ -469,11 +470,11 @@ class RadixTree:
                 nd = self._pop(ci)
                 if nd is None:
                     break
-                if ci == 0 or not nd.children:
+                if ci == 0 or not (nd.children or any(nd.locks)):
                     parent = nd.parent
                     self._remove(nd, outs)
                     self._prune_up(parent, outs)
-                else:
+                else:  # internal, or a leaf whose other data is locked: only this slot goes
                     self._tombstone(nd, ci, outs)
         evicted = self.evicted
         for ci, o in enumerate(outs):
