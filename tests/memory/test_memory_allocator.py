@@ -259,7 +259,8 @@ def test_check_detects_corruption():
     a = HandleAllocator(6)
     a.alloc(3)
     a.check()
-    a._free.append(a._free[0])  # a handle on the free list twice
+    a._free[a._top] = a._free[0]  # a handle on the free list twice
+    a._top += 1
     with pytest.raises(AssertionError):
         a.check()
 

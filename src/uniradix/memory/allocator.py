@@ -100,7 +100,7 @@ class HandleAllocator:
     "all allocated?" test be a ``count_nonzero``, the cheapest numpy check.)
     """
 
-    __slots__ = ("_size", "_name", "_free", "_state", "_mark", "_cells")
+    __slots__ = ("_size", "_name", "_free", "_top", "_state", "_mark", "_cells")
 
     #: batches up to this size take a scalar path: numpy's per-call cost dominates there
     SMALL = 8
@@ -117,7 +117,10 @@ class HandleAllocator:
         self._size = size
         self._name = str(name)
         # Descending stack, so the first allocations hand out low handles.
+        # A fixed-capacity stack: _free[:_top] are the free handles. Never resized,
+        # so a shrinking free list never pays for a realloc-and-copy.
         self._free = array("i", range(size - 1, -1, -1))
+        self._top = size
         self._state = np.ones(size, dtype=np.int32)
         self._mark = np.arange(1, 1025, dtype=np.int32)
         self._cells = memoryview(self._state)  # fast scalar access to the same memory
@@ -133,11 +136,11 @@ class HandleAllocator:
 
     @property
     def available(self) -> int:
-        return len(self._free)
+        return self._top
 
     @property
     def used(self) -> int:
-        return self._size - len(self._free)
+        return self._size - self._top
 
     def __repr__(self) -> str:
         return f"HandleAllocator({self._name!r}, size={self._size}, used={self.used})"
@@ -147,19 +150,19 @@ class HandleAllocator:
         """Take ``n`` handles, all or nothing.  Order within the result is
         unspecified (recently freed handles come back first)."""
         n = _as_int(n)
-        free = self._free
-        start = len(free) - n
+        top = self._top
+        start = top - n
         if n <= 0 or start < 0:
             if n == 0:
                 return array("i")
             if n < 0:
                 raise ValueError(f"{self._name}: cannot allocate a negative count ({n})")
             raise PoolExhausted(
-                f"{self._name}: asked for {n} handles, only {len(free)} available"
+                f"{self._name}: asked for {n} handles, only {top} available"
                 f" (size {self._size})"
             )
-        out = free[start:]
-        del free[start:]
+        out = self._free[start:top]
+        self._top = start
         if n <= self.SMALL:
             cells = self._cells
             for h in out:
@@ -181,7 +184,9 @@ class HandleAllocator:
             if ok:
                 for h in handles:
                     cells[h] = 1
-                self._free += handles
+                top = self._top
+                self._free[top:top + len(handles)] = handles
+                self._top = top + len(handles)
                 return
             for h in handles:  # undo the provisional marks, then report like the bulk path
                 if 0 <= h < size and cells[h] == -1:
@@ -211,7 +216,11 @@ class HandleAllocator:
                 mark = mark[:n]
                 state[pos] = mark
                 if state[pos].tobytes() == mark.tobytes():
-                    self._free.frombytes(idx.view(np.uint8))
+                    top = self._top
+                    # all were allocated, so top + n <= size: a same-length slice copy
+                    self._free[top:top + n] = handles if type(handles) is array and \
+                        handles.typecode == "i" else array("i", idx.tobytes())
+                    self._top = top + n
                     return
                 state[pos] = 0  # undo: they were all allocated before
                 msg = self._dup_msg(idx)
@@ -256,7 +265,7 @@ class HandleAllocator:
     def check(self) -> None:
         """Raise AssertionError unless free list and ownership state agree."""
         name, size = self._name, self._size
-        free = np.array(self._free, dtype=np.int64)
+        free = np.array(self._free[:self._top], dtype=np.int64)
         if free.size:
             if free.min() < 0 or free.max() >= size:
                 raise AssertionError(f"{name}: free list holds out-of-range handles")
