@@ -76,6 +76,9 @@ class UnifiedRadixCache:
         self.ckpt = next((c for c in self.comps if isinstance(c, CheckpointComponent)), None)
         self.windowed = [c for c in self.page_comps if getattr(c, "window", None) is not None]
         self.copy_checkpoints = copy_checkpoints
+        self._one_slot = [0] * len(self.pools)
+        if self.ckpt is not None:
+            self._one_slot[self.ckpt.index] = 1
         self.requests = 0
         self.prompt_tokens = 0
         self.hit_tokens = 0
@@ -83,48 +86,54 @@ class UnifiedRadixCache:
     # ------------------------------------------------------------------ allocation
     def alloc(self, **counts: int) -> dict[str, array]:
         """Allocate per component name, evicting unlocked data on shortfall. All or
-        nothing: raises CacheFull and allocates nothing when locked data leaves too little.
-
-        Handles an eviction frees for a component being allocated go straight to the
-        caller (tree -> request: they stay allocated), so only the excess returns to
-        the pool."""
-        index, pools = self.tree.index, self.pools
-        short = {}
+        nothing: raises CacheFull and allocates nothing when locked data leaves too little."""
+        need = [0] * len(self.pools)
         for name, n in counts.items():
             if n < 0:
                 raise ValueError(f"cannot allocate {n} {name} handles")
-            pool = pools[index[name]]
-            if pool.available < n:
-                short[self.comps[index[name]].evict_kw] = n - pool.available
-        if not short:
-            return {name: pools[index[name]].alloc(n) for name, n in counts.items()}
-        want = [0] * len(pools)
-        for kw, k in short.items():
-            want[self.tree.evict_kws[kw]] = k
-        got = {}
-        for ci, h in enumerate(self.tree.evict_counts(want)):
-            name = self.names[ci]
-            n = counts.get(name, 0)
-            if n and h:
-                got[name] = h[:n]
-                h = h[n:]
+            need[self.tree.index[name]] = n
+        got = self._alloc(need)
+        return {name: got[self.tree.index[name]] for name in counts}
+
+    def _alloc(self, need: list[int]) -> list:
+        """alloc() by component index. Handles an eviction frees for a component being
+        allocated go straight to the caller (tree -> request: they stay allocated), so
+        only the excess returns to the pool."""
+        pools = self.pools
+        short = None
+        for ci, k in enumerate(need):
+            if k and pools[ci].available < k:
+                if short is None:
+                    short = [0] * len(need)
+                short[ci] = k - pools[ci].available
+        if short is None:
+            return [pools[ci].alloc(k) if k else None for ci, k in enumerate(need)]
+        got: list = [None] * len(need)
+        for ci, h in enumerate(self.tree.evict_counts(short)):
+            k = need[ci]
+            if k and h:
+                got[ci] = h[:k]
+                h = h[k:]
             if h:
                 pools[ci].free(h)
-        for name, n in counts.items():
-            have = got.get(name)
-            k = n - (len(have) if have is not None else 0)
-            if pools[index[name]].available < k:
-                for nm, hh in got.items():
-                    pools[index[nm]].free(hh)
+        for ci, k in enumerate(need):
+            have = 0 if got[ci] is None else len(got[ci])
+            if pools[ci].available < k - have:
+                for cj, h in enumerate(got):
+                    if h:
+                        pools[cj].free(h)
+                name = self.names[ci]
                 raise CacheFull(
-                    f"cannot allocate {n} {name} handles: {pools[index[name]].available + n - k} "
-                    f"free and {self.tree.evictable(name)} evictable; the rest is locked by running requests")
-        for name, n in counts.items():
-            have = got.get(name)
+                    f"cannot allocate {k} {name} handles: {pools[ci].available + have} free and "
+                    f"{self.tree.evictable(name)} evictable; the rest is locked by running requests")
+        for ci, k in enumerate(need):
+            if not k:
+                continue
+            have = got[ci]
             if have is None:
-                got[name] = pools[index[name]].alloc(n)
-            elif len(have) < n:
-                have += pools[index[name]].alloc(n - len(have))
+                got[ci] = pools[ci].alloc(k)
+            elif len(have) < k:
+                have += pools[ci].alloc(k - len(have))
         return got
 
     def free(self, **handles) -> None:
@@ -164,7 +173,7 @@ class UnifiedRadixCache:
         req = CachedRequest(key, salt, priority, b, m.matched, pages, rc, m.node)
         if self.ckpt is not None:
             try:
-                slot = self.alloc(**{self.ckpt.name: 1})[self.ckpt.name][0]
+                slot = self._alloc(self._one_slot)[self.ckpt.index][0]
             except CacheFull:
                 self.tree.unlock(rc)
                 raise
@@ -184,20 +193,20 @@ class UnifiedRadixCache:
         n = (len(req.key) >> 2) if upto is None else upto
         want = -(-n // self.page_size)
         pages = req.pages
-        counts = {}
-        fits = True
+        need = None
         for c in self.page_comps:
             k = want - len(pages[c.name])
             if k > 0:
-                counts[c.name] = k
-                if self.pools[c.index].available < k:
-                    fits = False
-        if not counts:
+                if need is None:
+                    need = [0] * len(self.pools)
+                need[c.index] = k
+        if need is None:
             return
-        got = {name: self.pools[self.tree.index[name]].alloc(k) for name, k in counts.items()} \
-            if fits else self.alloc(**counts)
-        for name, h in got.items():
-            pages[name] += h
+        got = self._alloc(need)
+        for c in self.page_comps:
+            h = got[c.index]
+            if h is not None:
+                pages[c.name] += h
 
     def append_tokens(self, req: CachedRequest, tokens) -> None:
         """Decode: extend the request by `tokens` and allocate their pages."""
@@ -213,7 +222,7 @@ class UnifiedRadixCache:
             raise ValueError(f"checkpoint position {pos} is not page-aligned ({self.page_size})")
         if pos in req.checkpoints:
             return req.checkpoints[pos]
-        slot = self.alloc(**{self.ckpt.name: 1})[self.ckpt.name][0]
+        slot = self._alloc(self._one_slot)[self.ckpt.index][0]
         req.checkpoints[pos] = slot
         return slot
 

@@ -163,6 +163,7 @@ class PageComponent(Component):
         if junction:
             j = junction - W
             j = j - j % P if j > 0 else 0
+            junction -= junction % P
             return (e, j, junction), [(e, n), (j, junction)], prefix_len
         return (e,), [(e, n)], prefix_len
 

@@ -257,14 +257,36 @@ class RadixTree:
             return InsertResult(end, existing, free, self.lock(end) if lock else None)
 
         # boundaries the components need, then values attach to whole nodes
-        plans = [c.plan(n, junction, v, prefix_len, out)
-                 for c, v, out in zip(comps, inc, free.values())]
-        points = set()
-        for pts, _, _ in plans:
-            for p in pts:
-                p -= p % P
-                if 0 < p < n:
-                    points.add(p)
+        outs = list(free.values())
+        plans = [c.plan(n, junction, v, prefix_len, out) for c, v, out in zip(comps, inc, outs)]
+        points = {p for pts, _, _ in plans for p in pts if 0 < p < n}  # plan() gives aligned ones
+        if existing < n and not points.difference((existing,)) and \
+                all(lo >= existing for _, _, lo in plans):
+            # the common shape: one new leaf below the matched path, nothing to reconcile
+            leaf = self._new_node(nd, key, existing, n)
+            size = self.size
+            for c, v, (_, keep, _), out in zip(comps, inc, plans, outs):
+                if v is not None:
+                    c.adopt(leaf, v, keep, out)
+                    if leaf.value[c.index] is not None:
+                        size[c.index] += len(leaf.value[c.index])
+            if priority is not None:
+                leaf.priority = priority
+            path.append(leaf)
+            self._touch_path(path, priority)
+            leaf.created = leaf.tick
+            lists, w = self.lists, leaf.where
+            for ci, v in enumerate(leaf.value):
+                if v is not None:
+                    lists[ci].plain.add(leaf)
+                    w[ci] = 1
+            if lock:
+                return InsertResult(leaf, existing, free, self.lock(leaf))
+            if not self._useful(leaf):
+                self._remove(leaf, outs)
+                self._prune_up(nd, outs)
+                return InsertResult(nd if nd.attached else root, existing, free)
+            return InsertResult(leaf, existing, free)
         if existing and points:
             split = False
             for p in points:
@@ -273,15 +295,18 @@ class RadixTree:
             if split:
                 path = path[-1].path()
         new: list[Node] = []
-        parent = path[-1] if path else root
-        s = existing
-        for e in sorted(p for p in points if p > existing) + [n]:
-            if e > s:
+        if existing < n:
+            cuts = [p for p in points if p > existing]
+            if cuts:
+                cuts.sort()
+            cuts.append(n)
+            parent = path[-1] if path else root
+            s = existing
+            for e in cuts:
                 nn = self._new_node(parent, key, s, e)
                 new.append(nn)
                 parent = nn
                 s = e
-        outs = [free[c.name] for c in comps]
         size, locked = self.size, self.locked
         changed = []
         for c, v, (_, keep, lo), out in zip(comps, inc, plans, outs):
