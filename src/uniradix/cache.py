@@ -302,24 +302,23 @@ class UnifiedRadixCache:
             if len(pages) < npages:
                 raise ValueError(f"request has {len(pages)} {c.name} pages, needs {npages}: call alloc_request first")
             values[c.name] = pages[:npages] if len(pages) > npages else pages
-        ck = None
         if self.ckpt is not None:
-            ck = dict(req.checkpoints)
-            if finished and req.state_slot is not None:
-                if req.state_len == n and n not in ck:
-                    ck[n] = req.state_slot
-                else:
-                    ck.setdefault(-1, req.state_slot)  # not at a boundary: freed below
-                req.state_slot = None
-            bad = [p for p in ck if not (0 < p <= n and p % P == 0)]
-            stray = array("i", (ck.pop(p) for p in bad))
-            values[self.ckpt.name] = ck
+            # positions that cannot take a checkpoint come back from the tree in r.free
+            ck = req.checkpoints
             req.checkpoints = {}
-        r = self.tree.insert(req.key, values, prefix_len=req.prefix_len, junction=req.matched,
-                             salt=req.salt, priority=req.priority, lock=not finished)
-        self._give_back(r.free)
-        if ck is not None and stray:
-            self.pools[self.ckpt.index].free(stray)
+            slot = req.state_slot
+            if finished and slot is not None:
+                req.state_slot = None
+                if req.state_len == n and n not in ck:
+                    ck[n] = slot
+                else:  # the state is not at the cached end: nothing to keep it for
+                    self.pools[self.ckpt.index].free(array("i", (slot,)))
+            values[self.ckpt.name] = ck
+        r = self.tree.insert(req.key, values, req.prefix_len, req.matched, req.salt, req.priority,
+                             not finished)
+        for ci, h in enumerate(r.outs):
+            if h:
+                self.pools[ci].free(h)
         node = r.node
         req.prefix_len = n
         if finished:

@@ -246,9 +246,17 @@ class CheckpointComponent(Component):
         if not incoming:
             return (), None, n
         P = self.page
+        lo = n
+        for p in incoming:
+            if not (0 < p <= n and p % P == 0):
+                break
+            if p < lo:
+                lo = p
+        else:
+            return incoming, None, lo - 1
+        # some positions are unaligned, past the aligned end, or at 0: they come back now
         points = [p for p in incoming if 0 < p <= n and p % P == 0]
-        if len(points) < len(incoming):  # unaligned, past the aligned end, or at 0
-            out.extend(s for p, s in incoming.items() if not (0 < p <= n and p % P == 0))
+        out.extend(s for p, s in incoming.items() if not (0 < p <= n and p % P == 0))
         if not points:
             return (), None, n
         return points, None, min(points) - 1

@@ -28,17 +28,28 @@ class MatchResult:
         return [n for n, d in self.deepest.items() if d < self.matched]
 
 
-@dataclass(slots=True)
 class InsertResult:
     """`node` ends at the inserted length; `existing` tokens were already cached;
     `free[name]`: incoming handles the tree did not keep (duplicates, out-of-window
-    pages, checkpoints already present): the caller frees them. `receipt`: the lock on
-    `node` when the insert was asked to lock."""
+    pages, checkpoints that attach nowhere or are already present): the caller frees
+    them (`outs` holds the same by component index). `receipt`: the lock on `node` when
+    the insert was asked to lock."""
 
-    node: object
-    existing: int
-    free: dict[str, array]
-    receipt: "LockReceipt | None" = None
+    __slots__ = ("node", "existing", "outs", "names", "receipt")
+
+    def __init__(self, node, existing: int, outs: list[array], names: list[str], receipt=None):
+        self.node = node
+        self.existing = existing
+        self.outs = outs
+        self.names = names
+        self.receipt = receipt
+
+    @property
+    def free(self) -> dict[str, array]:
+        return dict(zip(self.names, self.outs))
+
+    def __repr__(self) -> str:
+        return f"InsertResult(node={self.node!r}, existing={self.existing}, free={self.free})"
 
 
 @dataclass(slots=True)

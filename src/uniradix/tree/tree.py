@@ -239,10 +239,11 @@ class RadixTree:
             path.append(ch)
             nd = ch
         existing = off // TOKEN_BYTES
-        free = dict(zip(self.names, [array("i") for _ in inc]))
+        outs = [array("i") for _ in inc]
+        names = self.names
         if self._single:
             if existing > prefix_len:
-                free[self.names[0]] = full_in[prefix_len // P: existing // P]
+                outs[0] = full_in[prefix_len // P: existing // P]
             if existing < n:
                 leaf = self._new_node(nd, key, existing, n)
                 leaf.value[0] = v = full_in[existing // P:]
@@ -251,13 +252,12 @@ class RadixTree:
                 self._touch_path(path, priority)
                 leaf.created = leaf.tick
                 self.lists[0].place(leaf, 1)
-                return InsertResult(leaf, existing, free, self.lock(leaf) if lock else None)
+                return InsertResult(leaf, existing, outs, names, self.lock(leaf) if lock else None)
             self._touch_path(path, priority)
             end = path[-1] if path else root
-            return InsertResult(end, existing, free, self.lock(end) if lock else None)
+            return InsertResult(end, existing, outs, names, self.lock(end) if lock else None)
 
         # boundaries the components need, then values attach to whole nodes
-        outs = list(free.values())
         plans = [c.plan(n, junction, v, prefix_len, out) for c, v, out in zip(comps, inc, outs)]
         points = {p for pts, _, _ in plans for p in pts if 0 < p < n}  # plan() gives aligned ones
         if existing < n and not points.difference((existing,)) and \
@@ -281,12 +281,12 @@ class RadixTree:
                     lists[ci].plain.add(leaf)
                     w[ci] = 1
             if lock:
-                return InsertResult(leaf, existing, free, self.lock(leaf))
+                return InsertResult(leaf, existing, outs, names, self.lock(leaf))
             if not self._useful(leaf):
                 self._remove(leaf, outs)
                 self._prune_up(nd, outs)
-                return InsertResult(nd if nd.attached else root, existing, free)
-            return InsertResult(leaf, existing, free)
+                return InsertResult(nd if nd.attached else root, existing, outs, names)
+            return InsertResult(leaf, existing, outs, names)
         if existing and points:
             split = False
             for p in points:
@@ -340,13 +340,13 @@ class RadixTree:
             self._place_all(x)
         end = touched[-1] if touched else root
         if lock:
-            return InsertResult(end, existing, free, self.lock(end))
+            return InsertResult(end, existing, outs, names, self.lock(end))
         if end.parent is not None and not end.children and not end.locks[0] and not self._useful(end):
             parent = end.parent
             self._remove(end, outs)
             self._prune_up(parent, outs)
             end = parent if parent.attached else root
-        return InsertResult(end, existing, free)
+        return InsertResult(end, existing, outs, names)
 
     def _new_node(self, parent: Node, key: bytes, s: int, e: int) -> Node:
         nn = Node(key[s * TOKEN_BYTES: e * TOKEN_BYTES], s, e, parent, self.nc)
