@@ -4,8 +4,9 @@
 
 Per request, the loop every peer in ../shared/peers/compare_tree_ops.py runs: match
 (and lock), evict if short, allocate the rest, insert, unlock. Here that is
-UnifiedRadixCache.match_prefix, alloc_request (evicts on shortfall) and cache_finished,
-on accounting-only pools (the same allocators as with tensors, no memory behind them).
+UnifiedRadixCache.match_prefix(alloc=True) (match, lock, evict on shortfall, allocate)
+and cache_finished (insert, free what the tree did not keep, unlock), on
+accounting-only pools (the same allocators as with tensors, no memory behind them).
 In mamba mode a request that matched deeper than its safe boundary also hands in a
 checkpoint at its junction, as the engine does. The last line is one JSON object.
 """
@@ -80,12 +81,11 @@ def run(trace: list[list[int]], mode: str, capacity: int, page_size: int = 1, po
     hit = tokens = 0
     t0 = time.perf_counter()
     for seq in trace:
-        req = cache.match_prefix(seq)
+        req = cache.match_prefix(seq, alloc=True)
         tokens += len(seq)
         hit += req.prefix_len
         if mamba and req.matched > req.prefix_len:
             cache.add_checkpoint(req, req.matched - req.matched % page_size)
-        cache.alloc_request(req)
         req.state_len = req.num_tokens  # the engine's prefill ran to the end
         cache.cache_finished(req)
     seconds = time.perf_counter() - t0

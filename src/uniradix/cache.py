@@ -76,7 +76,7 @@ class UnifiedRadixCache:
         self.ckpt = next((c for c in self.comps if isinstance(c, CheckpointComponent)), None)
         self.windowed = [c for c in self.page_comps if getattr(c, "window", None) is not None]
         self.copy_checkpoints = copy_checkpoints
-        self._one_slot = [0] * len(self.pools)
+        self._one_slot = [0] * len(self.pools)  # add_checkpoint's need
         if self.ckpt is not None:
             self._one_slot[self.ckpt.index] = 1
         self.requests = 0
@@ -156,33 +156,48 @@ class UnifiedRadixCache:
                 self.pools[self.tree.index[name]].free(h)
 
     # ------------------------------------------------------------------ request lifecycle
-    def match_prefix(self, tokens, salt=None, priority: int | None = None) -> CachedRequest:
+    def match_prefix(self, tokens, salt=None, priority: int | None = None,
+                     alloc: bool = False) -> CachedRequest:
         """Match, lock what the match returns, and give the request a private copy of
-        the checkpoint it resumes from."""
+        the checkpoint it resumes from. With `alloc`, also allocate the request's own
+        pages for all of `tokens` in the same step (what alloc_request would do), so an
+        eviction made for one component hands its other freed pages straight over.
+        On CacheFull nothing stays locked or allocated."""
         key = tokens if isinstance(tokens, bytes) else encode(tokens)
         m = self.tree.match(key, salt, priority, lock=True)
         rc = m.receipt
         b = m.boundary
         P = self.page_size
         pages = {}
+        need = [0] * len(self.pools)
+        want = -(-(len(key) >> 2) // P) if alloc else 0
         for c in self.page_comps:
             h = m.handles[c.name]
             if c.window is not None:
                 h = _NEG * (b // P - len(h)) + h
             pages[c.name] = h
+            if want > len(h):
+                need[c.index] = want - len(h)
         req = CachedRequest(key, salt, priority, b, m.matched, pages, rc, m.node)
         if self.ckpt is not None:
+            need[self.ckpt.index] = 1
+        if any(need):
             try:
-                slot = self._alloc(self._one_slot)[self.ckpt.index][0]
+                got = self._alloc(need)
             except CacheFull:
                 self.tree.unlock(rc)
                 raise
-            src = m.handles[self.ckpt.name]
-            if src:
-                if self.copy_checkpoints:
-                    self.pools[self.ckpt.index].copy_slot(src[0], slot)
-                req.state_len = b
-            req.state_slot = slot
+            for c in self.page_comps:
+                if got[c.index] is not None:
+                    pages[c.name] += got[c.index]
+            if self.ckpt is not None:
+                slot = got[self.ckpt.index][0]
+                src = m.handles[self.ckpt.name]
+                if src:
+                    if self.copy_checkpoints:
+                        self.pools[self.ckpt.index].copy_slot(src[0], slot)
+                    req.state_len = b
+                req.state_slot = slot
         self.requests += 1
         self.prompt_tokens += len(key) // 4
         self.hit_tokens += b
@@ -228,13 +243,16 @@ class UnifiedRadixCache:
 
     def release_out_of_window(self, req: CachedRequest) -> int:
         """Free the request's own SWA pages that fell out of the window, except the
-        window at its junction; returns how many were freed."""
+        window at its junction; returns how many were freed. The window kept is the one
+        ending at the page-aligned end (what the tree will cache), which also covers the
+        window that decoding still reads."""
         freed = 0
         P = self.page_size
-        n = req.num_tokens
+        end = page_floor(req.num_tokens, P)
+        mark = None
         for c in self.windowed:
             pages = req.pages[c.name]
-            stop = page_floor(max(0, n - c.window), P) // P
+            stop = c.window_start(end) // P
             j = req.matched
             jlo, jhi = c.window_start(j) // P, j // P
             start = max(req.window_freed, req.prefix_len // P)
@@ -247,7 +265,9 @@ class UnifiedRadixCache:
             if out:
                 self.pools[c.index].free(out)
                 freed += len(out)
-            req.window_freed = max(req.window_freed, stop)
+            mark = stop if mark is None else min(mark, stop)
+        if mark is not None and mark > req.window_freed:
+            req.window_freed = mark
         return freed
 
     def cache_unfinished(self, req: CachedRequest, checkpoints: dict[int, int] | None = None) -> None:
