@@ -264,12 +264,13 @@ class RadixTree:
                 all(lo >= existing for _, _, lo in plans):
             # the common shape: one new leaf below the matched path, nothing to reconcile
             leaf = self._new_node(nd, key, existing, n)
-            size = self.size
-            for c, v, (_, keep, _), out in zip(comps, inc, plans, outs):
+            size, value = self.size, leaf.value
+            for ci in range(self.nc):
+                v = inc[ci]
                 if v is not None:
-                    c.adopt(leaf, v, keep, out)
-                    if leaf.value[c.index] is not None:
-                        size[c.index] += len(leaf.value[c.index])
+                    comps[ci].adopt(leaf, v, plans[ci][1], outs[ci])
+                    if value[ci] is not None:
+                        size[ci] += len(value[ci])
             if priority is not None:
                 leaf.priority = priority
             path.append(leaf)
