@@ -112,33 +112,6 @@ class HeapQueue:
         return None
 
 
-class LRUQueue(TickQueue):
-    """TickQueue on the access tick, with the attribute read inlined (the hot case)."""
-
-    __slots__ = ()
-
-    def __init__(self):
-        super().__init__("tick", touch_moves=True)
-
-    def add(self, nd) -> None:
-        k = nd.tick
-        if k >= self.last:
-            self.od[nd] = None
-            self.last = k
-        else:
-            self.late_key[nd] = k
-            heapq.heappush(self.late, (k, next(_seq), nd))
-
-    def touch(self, nd) -> None:
-        od = self.od
-        if nd in od:
-            od.move_to_end(nd)
-            self.last = nd.tick
-        else:
-            self.late_key.pop(nd, None)
-            self.add(nd)
-
-
 def _lfu_key(nd):
     return (nd.hits, nd.tick)
 
@@ -152,7 +125,7 @@ POLICIES = ("lru", "lfu", "fifo", "priority")
 
 def base_queue(policy: str):
     if policy == "lru":
-        return LRUQueue()
+        return TickQueue("tick", touch_moves=True)
     if policy == "fifo":
         return TickQueue("created", touch_moves=False)
     if policy == "lfu":

@@ -359,6 +359,10 @@ class RadixTree:
     def lock(self, nd: Node) -> LockReceipt:
         """Pin what reuse at nd.end needs: FULL along the path, SWA its window, MAMBA the
         checkpoint. Locked slots are never evicted."""
+        return self._pin_all(nd, True)
+
+    def _pin_all(self, nd: Node, is_lock: bool) -> LockReceipt:
+        """What lock (or a session reference) at nd pins, per component, counted up."""
         rc = LockReceipt(node=nd)
         if nd.parent is None:
             return rc
@@ -369,7 +373,7 @@ class RadixTree:
             if lo > 0:
                 self._ensure_boundary(nd, lo)
             rc.pins.append((c.index, nd, lo))
-            self._pin(c.index, nd, lo, 1, True)
+            self._pin(c.index, nd, lo, 1, is_lock)
         return rc
 
     def unlock(self, rc: LockReceipt) -> dict[str, array] | None:
@@ -420,17 +424,7 @@ class RadixTree:
     def register_session(self, session_id, nd: Node) -> None:
         """Reference what a finished request of this session would reuse next turn."""
         self.close_session(session_id)
-        rc = LockReceipt(node=nd)
-        if nd.parent is not None:
-            for c in self.components:
-                lo = c.pin_from(nd)
-                if lo is None:
-                    continue
-                if lo > 0:
-                    self._ensure_boundary(nd, lo)
-                rc.pins.append((c.index, nd, lo))
-                self._pin(c.index, nd, lo, 1, False)
-        self.sessions[session_id] = rc
+        self.sessions[session_id] = self._pin_all(nd, False)
 
     def close_session(self, session_id) -> bool:
         rc = self.sessions.pop(session_id, None)
