@@ -35,6 +35,8 @@ class Component:
     slices = True
     #: how far below a tombstone a leaf's own boundary depends on it (None: everything below)
     reach: int | None = 0
+    #: False when plan() always says "no splits, keep everything": the tree skips the call
+    plans = True
 
     def __init__(self) -> None:
         self.index = -1
@@ -96,6 +98,7 @@ class PageComponent(Component):
         self.window = window
         self.keep_all = keep_all
         self.reach = window
+        self.plans = window is not None and not keep_all
 
     def window_start(self, b: int) -> int:
         return 0 if self.window is None else max(0, page_floor(b - self.window, self.page))

@@ -67,6 +67,7 @@ class RadixTree:
         self.unit = page_size * TOKEN_BYTES
         self.policy = eviction_policy
         self.lists = [EvictionList(i, eviction_policy) for i in range(self.nc)]
+        self._queues = [lst._queues for lst in self.lists]  # [component][tier], for touch
         self.roots: dict[object, Node] = {}
         self.clock = 0
         self.size = [0] * self.nc       # handles held by the tree, per component
@@ -144,15 +145,16 @@ class RadixTree:
     def _touch_path(self, path: list[Node], priority) -> None:
         """An access: LRU ticks root to leaf (deeper is newer), LFU hits, request priority."""
         clock = self.clock
-        lists = self.lists
+        queues = self._queues
         for nd in path:
             clock += 1
             nd.tick = clock
             nd.hits += 1
-            w = nd.where
-            for lst in lists:
-                if w[lst.ci]:
-                    lst.touch(nd)
+            ci = 0
+            for tier in nd.where:
+                if tier:
+                    queues[ci][tier].touch(nd)
+                ci += 1
         self.clock = clock
         if priority is not None:
             for nd in path:
@@ -258,7 +260,8 @@ class RadixTree:
             return InsertResult(end, existing, outs, names, self.lock(end) if lock else None)
 
         # boundaries the components need, then values attach to whole nodes
-        plans = [c.plan(n, junction, v, prefix_len, out) for c, v, out in zip(comps, inc, outs)]
+        plans = [(c.plan(n, junction, v, prefix_len, out) if c.plans else ((), None, prefix_len))
+                 for c, v, out in zip(comps, inc, outs)]
         points = {p for pts, _, _ in plans for p in pts if 0 < p < n}  # plan() gives aligned ones
         if existing < n and not points.difference((existing,)) and \
                 all(lo >= existing for _, _, lo in plans):
