@@ -15,6 +15,7 @@ component's rule methods, so a wrong rule cannot vouch for itself.
 """
 from __future__ import annotations
 
+import copy
 import sys
 from array import array
 from collections import Counter
@@ -29,24 +30,38 @@ from uniradix.tree import FullComponent, LockError, MambaComponent, RadixTree, S
 FULL, SWA, MAMBA = 0, 1, 2
 NAMES = ("full", "swa", "mamba")
 EVICT_KW = ("full_pages", "swa_pages", "mamba_slots")
-SALTS = (None, "tenant-a", "tenant-b")
 TOKEN = st.integers(0, 2)          # a small alphabet, so prefixes are shared
-PRIORITY = st.one_of(st.none(), st.integers(0, 3))
+# a request's tokens: (earlier sequence to reuse, negative for a fresh one; tokens dropped
+# from its end; new tokens)
+TOKENS = st.tuples(st.integers(-6, 23), st.sampled_from([0, 0, 0, 1, 2, 3, 5, 8]),
+                   st.lists(TOKEN, max_size=16))
+# the cache salt: that of the reused sequence, or a given one (a different salt must not reuse)
+SALT = st.sampled_from(["same", "same", "same", None, "tenant-a", "tenant-b"])
+PRIORITY = st.sampled_from([None, 0, 1, 2, 3])
+PAGE_PICKS = st.lists(st.integers(0, 4), max_size=3, unique=True)  # checkpoints, as page offsets
+JMODE = st.sampled_from(["matched", "none", "any"])                # the junction an insert passes
+END_CKPT = st.sampled_from([True, True, False])                    # capture the state at the end
+SID = st.one_of(st.none(), st.integers(0, 2))                      # a session to reference the end
+PICK = st.integers(0, 63)                                          # which request/receipt/node
 MAX_REQS = 4
 MAX_HELD = 5
 HUGE = 10**6
+PROBE_POPS = 4  # evictions replayed on a copy of the tree after a step
 
 
 class Pin:
     """What one lock receipt or session reference pinned, as this driver reads it at
-    pin time: the node, per page component the position above which the chain is pinned
-    (FULL 0, SWA the window start), whether the MAMBA checkpoint on the node was pinned,
-    and a snapshot of the pinned handles (page -> handle; the checkpoint slot)."""
+    pin time (DESIGN §3 Locks): the node; per page component the position `lo[ci]` such
+    that the pinned slots are those on the chain from the node up that end after it
+    (FULL 0, SWA the start of the window: a split copies page locks to the new upper
+    part, so that chain stays exactly the pinned span); for MAMBA whether the node's
+    own checkpoint was pinned (only that node: a checkpoint never moves, and a split
+    leaves the new upper part unpinned); a snapshot of the pinned handles."""
 
-    __slots__ = ("rc", "node", "lo", "mamba", "snap")
+    __slots__ = ("rc", "node", "lo", "snap")
 
-    def __init__(self, rc, node, lo, mamba, snap):
-        self.rc, self.node, self.lo, self.mamba, self.snap = rc, node, lo, mamba, snap
+    def __init__(self, rc, node, lo, snap):
+        self.rc, self.node, self.lo, self.snap = rc, node, lo, snap
 
     def __repr__(self):
         return f"Pin({self.node!r})"
@@ -77,6 +92,25 @@ def chain_pages(node, ci, lo, P):
     return out
 
 
+def check_pinned(pins, P):
+    """Locked data was never evicted: every node a live receipt pinned is attached and
+    still holds the handles it held when pinned."""
+    for pin in pins:
+        if pin.lo is None:
+            continue
+        x = pin.node
+        while x.parent is not None:
+            assert x.attached, f"a node locked by a live receipt was removed: {x}"
+            x = x.parent
+        for ci in (FULL, SWA):
+            now = chain_pages(pin.node, ci, pin.lo[ci], P)
+            lost = {p: h for p, h in pin.snap[ci].items() if now.get(p) != h}
+            assert not lost, f"{NAMES[ci]} pages pinned by a live receipt are gone: {lost}"
+        if pin.lo[MAMBA]:
+            v = pin.node.value[MAMBA]
+            assert v is not None and v[0] == pin.snap[2], "a locked checkpoint was evicted"
+
+
 class RadixTreeMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
@@ -88,9 +122,9 @@ class RadixTreeMachine(RuleBasedStateMachine):
         window=st.integers(2, 8),
         keep_all=st.booleans(),
         policy=st.sampled_from(["lru", "lfu", "fifo", "priority"]),
-        full_size=st.integers(24, 64),
-        swa_size=st.integers(24, 64),
-        mamba_size=st.integers(8, 24),
+        full_size=st.integers(40, 96),
+        swa_size=st.integers(40, 96),
+        mamba_size=st.integers(16, 48),
     )
     def setup(self, page, window, keep_all, policy, full_size, swa_size, mamba_size):
         self.P, self.W, self.keep_all, self.policy = page, window, keep_all, policy
@@ -102,26 +136,29 @@ class RadixTreeMachine(RuleBasedStateMachine):
         self.held: list[Pin] = []
         self.released: list = []
         self.sessions: dict[int, Pin] = {}
-        self.history: list[list[int]] = []
+        self.history: list[tuple] = []  # (salt, tokens) of inserted requests
         self.evicted = [0, 0, 0]
         self.next_rid = 0
+        self.steps = 0
 
     # ------------------------------------------------------------------ helpers
     def window_start(self, b: int) -> int:
         """First token of the first page touching [max(0, b - W), b) (DESIGN §3 SWA)."""
         return max(0, b - self.W) // self.P * self.P
 
-    def draw_tokens(self, data, max_size=14):
-        if self.history and data.draw(st.booleans(), label="reuse"):
-            base = data.draw(st.sampled_from(self.history), label="base")
-            cut = data.draw(st.integers(0, len(base)), label="cut")
-            tail = data.draw(st.lists(TOKEN, max_size=6), label="tail")
-            return base[:cut] + tail
-        return data.draw(st.lists(TOKEN, max_size=max_size), label="tokens")
+    def tokens(self, spec, salt):
+        """(tokens, salt) of a request from (earlier sequence to reuse or < 0, tokens dropped
+        from its end, new tokens) and SALT: mostly a cut of an earlier sequence plus a new
+        tail, so paths are shared. A fresh sequence has at least one page."""
+        idx, drop, new = spec
+        if idx < 0 or not self.history:
+            return list(new) + [0] * (self.P - len(new)), (None if salt == "same" else salt)
+        base_salt, base = self.history[idx % len(self.history)]
+        return base[:max(0, len(base) - drop)] + list(new), (base_salt if salt == "same" else salt)
 
-    def remember(self, tokens):
-        if tokens and tokens not in self.history:
-            self.history.append(list(tokens))
+    def remember(self, salt, tokens):
+        if tokens and (salt, tokens) not in self.history:
+            self.history.append((salt, list(tokens)))
             del self.history[:-24]
 
     def free(self, handles: dict) -> None:
@@ -133,13 +170,13 @@ class RadixTreeMachine(RuleBasedStateMachine):
 
     def make_pin(self, node, rc):
         if node.parent is None:
-            return Pin(rc, node, None, False, None)
+            return Pin(rc, node, None, None)
         P = self.P
-        lo = (0, self.window_start(node.end))
         mamba = node.value[MAMBA] is not None
+        lo = (0, self.window_start(node.end), mamba)
         snap = (chain_pages(node, FULL, lo[0], P), chain_pages(node, SWA, lo[1], P),
                 node.value[MAMBA][0] if mamba else None)
-        return Pin(rc, node, lo, mamba, snap)
+        return Pin(rc, node, lo, snap)
 
     def unlock(self, pin) -> None:
         gone = self.tree.unlock(pin.rc)
@@ -212,10 +249,10 @@ class RadixTreeMachine(RuleBasedStateMachine):
                    "mamba": [ck[best]] if best else []}
         return matched, best, deepest, handles
 
-    def match(self, tokens, salt, prio):
+    def match(self, tokens, salt, prio, lock=False):
         """tree.match, checked against the brute-force rule computed before it."""
         matched, best, deepest, handles = self.expected_match(salt, tokens)
-        m = self.tree.match(tokens, salt, prio)
+        m = self.tree.match(tokens, salt, prio, lock=True) if lock else self.tree.match(tokens, salt, prio)
         assert m.matched == matched, f"matched {m.matched}, brute force {matched}"
         assert m.boundary == best, (
             f"boundary {m.boundary}, but the deepest boundary every component accepts is {best}"
@@ -262,14 +299,28 @@ class RadixTreeMachine(RuleBasedStateMachine):
         return (1, x.refs[ci], bk) if x.refs[ci] else (0, 0, bk)
 
     def evict(self, ci: int, k: int):
-        cands = [x for x in self.all_nodes() if x.value[ci] is not None and x.locks[ci] == 0
-                 and (ci != FULL or not x.children)]
-        before = {x: list(x.value[ci]) for x in cands}
-        ranks = {x: self.rank(x, ci) for x in cands}
-        ev = self.tree.evict(**{EVICT_KW[ci]: k})
+        ev = self.checked_evict(self.tree, ci, k)
         self.free(ev.freed)
         for c, name in enumerate(NAMES):
             self.evicted[c] += len(ev.freed[name])
+        return ev
+
+    def checked_evict(self, tree, ci: int, k: int):
+        """tree.evict for one component, checking that it starts with a best-ranked slot
+        and stops short only when nothing unlocked is left."""
+        def nodes():
+            out, stack = [], [c for r in tree.roots.values() for c in r.children.values()]
+            while stack:
+                x = stack.pop()
+                out.append(x)
+                stack.extend(x.children.values())
+            return out
+
+        cands = [x for x in nodes() if x.value[ci] is not None and x.locks[ci] == 0
+                 and (ci != FULL or not x.children)]
+        before = {x: list(x.value[ci]) for x in cands}
+        ranks = {x: self.rank(x, ci) for x in cands}
+        ev = tree.evict(**{EVICT_KW[ci]: k})
         got = ev.freed[NAMES[ci]]
         if k == 0:
             assert not any(len(ev.freed[name]) for name in NAMES), "evict(0) freed something"
@@ -278,30 +329,32 @@ class RadixTreeMachine(RuleBasedStateMachine):
             best = min(ranks.values())
             first = [x for x in cands if ranks[x] == best]
             gone = set(got)
-            assert any(set(before[x]) <= gone for x in first), (
-                f"{self.policy}: evict({EVICT_KW[ci]}={k}) did not start with a best-ranked slot "
-                f"{first} (rank {best}); freed {list(got)}")
+            if not any(set(before[x]) <= gone for x in first):
+                went = {x: ranks[x] for x in cands if set(before[x]) <= gone}
+                raise AssertionError(
+                    f"{self.policy}: evict({EVICT_KW[ci]}={k}) passed over the best-ranked slot(s) "
+                    f"{first} (rank (has refs, refs, base key) = {best}); it took {went}")
         if len(got) < k:
-            left = [x for x in self.all_nodes() if x.value[ci] is not None and x.locks[ci] == 0]
+            left = [x for x in nodes() if x.value[ci] is not None and x.locks[ci] == 0]
             assert not left, (f"evict({EVICT_KW[ci]}={k}) freed only {len(got)} while unlocked "
                               f"slots remain: {left}")
         return ev
 
     # ------------------------------------------------------------------ requests
-    def begin(self, data):
+    def page_ends(self, lo: int, hi: int, picks) -> list[int]:
+        """Checkpoint positions: page ends in [lo, hi] picked by offset (in pages)."""
+        ends = list(range(lo, hi + 1, self.P))
+        return sorted({ends[i] for i in picks if i < len(ends)})
+
+    def begin(self, tokens, salt, prio, ck, jck):
         """Match, lock what is reused, allocate own pages, a state slot and checkpoint
-        slots (at page ends from the boundary on, maybe at the junction)."""
+        slots (at page ends from the boundary on; with jck also at the junction)."""
         P = self.P
-        tokens = self.draw_tokens(data)
-        salt = data.draw(st.sampled_from(SALTS), label="salt")
-        prio = data.draw(PRIORITY, label="priority")
         m = self.match(tokens, salt, prio)
         pin = self.make_pin(m.node, self.tree.lock(m.node))
         b, n = m.boundary, len(tokens) // P * P
-        positions = list(range(max(b, P), n + 1, P))
-        ck_pos = data.draw(st.lists(st.sampled_from(positions), unique=True, max_size=3),
-                           label="checkpoints") if positions else []
-        if m.matched and m.matched not in ck_pos and data.draw(st.booleans(), label="junction_ckpt"):
+        ck_pos = self.page_ends(max(b, P), n, ck)
+        if jck and m.matched and m.matched not in ck_pos:
             ck_pos.append(m.matched)
         npages = -(-len(tokens) // P) - b // P
         got = self.alloc({FULL: npages, SWA: npages, MAMBA: 1 + len(ck_pos)})
@@ -320,15 +373,11 @@ class RadixTreeMachine(RuleBasedStateMachine):
         self.reqs.append(r)
         return r
 
-    def extend(self, r, data):
+    def extend(self, r, add, ck):
         """Decode: more tokens, more own pages, maybe checkpoints at new page ends."""
         P = self.P
-        add = data.draw(st.lists(TOKEN, min_size=1, max_size=6), label="add")
-        toks = r.tokens + add
-        old_n, new_n = len(r.tokens) // P * P, len(toks) // P * P
-        positions = list(range(old_n + P, new_n + 1, P))
-        ck_pos = data.draw(st.lists(st.sampled_from(positions), unique=True, max_size=2),
-                           label="checkpoints") if positions else []
+        toks = r.tokens + list(add)
+        ck_pos = self.page_ends(len(r.tokens) // P * P + P, len(toks) // P * P, ck)
         need = -(-len(toks) // P) - (r.b // P + len(r.own_full))
         got = self.alloc({FULL: need, SWA: need, MAMBA: len(ck_pos)})
         if got is None:
@@ -338,32 +387,34 @@ class RadixTreeMachine(RuleBasedStateMachine):
         r.own_swa += got[SWA]
         r.ckpts.update(zip(ck_pos, got[MAMBA]))
 
-    def release_swa(self, r, data, engine):
-        """Free own SWA pages: the engine's rule (out of window, except the junction's
-        window), or an arbitrary subset (the tree must cope with any -1 pattern)."""
+    def release_swa(self, r, mode, picks=()):
+        """Free own SWA pages: the engine's rule (pages out of the window at the request's
+        page-aligned end, which is what the tree will keep, except the junction's window),
+        or an arbitrary subset (the tree must cope with any -1 pattern)."""
         P = self.P
         bp = r.b // P
         live = [i for i, h in enumerate(r.own_swa) if h >= 0]
-        if engine:
-            stop = max(0, len(r.tokens) - self.W) // P
+        if mode == "engine":
+            stop = self.window_start(len(r.tokens) // P * P) // P
             jlo, jhi = self.window_start(r.matched) // P, r.matched // P
             pick = [i for i in live if bp + i < stop and not jlo <= bp + i < jhi]
+        elif mode == "random" and live:
+            pick = sorted({live[i % len(live)] for i in picks})
         else:
-            pick = data.draw(st.lists(st.sampled_from(live), unique=True), label="pick") if live else []
+            pick = []
         if pick:
             self.allocs[SWA].free(array("i", [r.own_swa[i] for i in pick]))
             for i in pick:
                 r.own_swa[i] = -1
 
-    def insert(self, r, data, running, jmode):
+    def insert(self, r, running, jmode, junction, end_ckpt, sid):
         """Insert the request's aligned part. running: lock=True and the request goes on
-        from the tree's copy; else it is finished (its state slot is the end checkpoint)."""
+        from the tree's copy; else it is finished (its state slot is the end checkpoint;
+        with sid its session references the end)."""
         P = self.P
         n = len(r.tokens) // P * P
         npg, bp = n // P, r.b // P
-        j = {"matched": r.matched, "none": None}.get(jmode)
-        if jmode == "any":
-            j = data.draw(st.integers(0, n), label="junction")
+        j = {"matched": r.matched, "none": None, "any": junction % (n + 1)}[jmode]
         full_in = r.tree_full + r.own_full[:npg - bp]
         swa_in = r.tree_swa + r.own_swa[:npg - bp]
         ck = dict(r.ckpts)
@@ -373,7 +424,18 @@ class RadixTreeMachine(RuleBasedStateMachine):
             r.state = None
         passed_swa = {bp + i: h for i, h in enumerate(r.own_swa[:npg - bp]) if h >= 0}
         r.own_full, r.own_swa = r.own_full[npg - bp:], r.own_swa[npg - bp:]
-        _, pre = self.brute_path(self.tree.roots.get(r.salt), r.tokens)
+        if end_ckpt and n and n not in ck:
+            got = self.alloc({MAMBA: 1})  # the engine captures the state at the aligned end
+            if got is not None:
+                ck[n] = got[MAMBA][0]
+        path, pre = self.brute_path(self.tree.roots.get(r.salt), r.tokens)
+        ws = self.window_start(n)
+        tree_swa = chain_pages(path[-1], SWA, ws, P) if path else {}
+        # the request brings everything a later request needs to resume at its end: the
+        # checkpoint at n and the SWA window before n (its own pages, the tree's below b)
+        resumable = (not running and n > 0 and n in ck and pre == r.b
+                     and all(p in tree_swa for p in range(ws // P, bp))
+                     and all(p in passed_swa for p in range(max(ws // P, bp), npg)))
         res = self.tree.insert(r.tokens, {"full": array("i", full_in), "swa": array("i", swa_in),
                                           "mamba": ck},
                                prefix_len=r.b, junction=j, salt=r.salt, priority=r.prio, lock=running)
@@ -391,8 +453,13 @@ class RadixTreeMachine(RuleBasedStateMachine):
                 if h in kept:
                     assert any(lo <= p * P and (p + 1) * P <= hi for lo, hi in spans), (
                         f"SWA page {p} kept outside the retention windows {spans}")
+        if resumable:
+            # DESIGN §3 Retention: the window at the end of a cached sequence is kept
+            assert res.node.end == n and res.node.attached, (
+                f"a finished request brought its checkpoint at {n} and the SWA window "
+                f"[{ws}, {n}), yet nothing past {res.node.end} was cached (keep_all={self.keep_all})")
         old = r.pin
-        self.remember(r.tokens)
+        self.remember(r.salt, r.tokens)
         if running:
             node = res.receipt.node
             assert node is res.node and node.end == n
@@ -411,7 +478,6 @@ class RadixTreeMachine(RuleBasedStateMachine):
             self.allocs[SWA].free(array("i", [h for h in r.own_swa if h >= 0]))
             if r.state is not None:
                 self.allocs[MAMBA].free(array("i", [r.state]))
-            sid = data.draw(st.sampled_from([None, 0, 1, 2]), label="session")
             if sid is not None:
                 self.tree.register_session(sid, res.node)
                 self.sessions[sid] = self.make_pin(res.node, None)
@@ -425,76 +491,85 @@ class RadixTreeMachine(RuleBasedStateMachine):
         self.unlock(r.pin)
 
     @precondition(lambda self: len(self.reqs) < MAX_REQS)
-    @rule(data=st.data(), decode=st.integers(0, 2), jmode=st.sampled_from(["matched", "none", "any"]))
-    def serve_request(self, data, decode, jmode):
+    @rule(tokens=TOKENS, salt=SALT, prio=PRIORITY, ck=PAGE_PICKS, jck=st.booleans(),
+          decode=st.lists(st.tuples(st.lists(TOKEN, min_size=1, max_size=6), PAGE_PICKS), max_size=2),
+          jmode=JMODE, junction=st.integers(0, 32), end_ckpt=END_CKPT, sid=SID)
+    def serve_request(self, tokens, salt, prio, ck, jck, decode, jmode, junction, end_ckpt, sid):
         """A whole request in one step: start, decode a little, finish."""
-        r = self.begin(data)
+        r = self.begin(*self.tokens(tokens, salt), prio, ck, jck)
         if r is None:
             return
-        for _ in range(decode):
-            self.extend(r, data)
-            self.release_swa(r, data, engine=True)
-        self.insert(r, data, running=False, jmode=jmode)
+        for add, more in decode:
+            self.extend(r, add, more)
+            self.release_swa(r, "engine")
+        self.insert(r, False, jmode, junction, end_ckpt, sid)
 
     @precondition(lambda self: len(self.reqs) < MAX_REQS)
-    @rule(data=st.data())
-    def start_request(self, data):
-        self.begin(data)
+    @rule(tokens=TOKENS, salt=SALT, prio=PRIORITY, ck=PAGE_PICKS, jck=st.booleans())
+    def start_request(self, tokens, salt, prio, ck, jck):
+        self.begin(*self.tokens(tokens, salt), prio, ck, jck)
 
     @precondition(lambda self: self.reqs)
-    @rule(data=st.data(), release=st.sampled_from(["no", "engine", "random"]))
-    def decode_request(self, data, release):
-        r = data.draw(st.sampled_from(self.reqs), label="req")
-        self.extend(r, data)
-        if release != "no":
-            self.release_swa(r, data, engine=release == "engine")
+    @rule(pick=PICK, add=st.lists(TOKEN, min_size=1, max_size=6), ck=PAGE_PICKS,
+          release=st.sampled_from(["no", "engine", "random"]), drop=st.lists(PICK, max_size=4))
+    def decode_request(self, pick, add, ck, release, drop):
+        r = self.reqs[pick % len(self.reqs)]
+        self.extend(r, add, ck)
+        self.release_swa(r, release, drop)
 
     @precondition(lambda self: self.reqs)
-    @rule(data=st.data(), running=st.booleans(), jmode=st.sampled_from(["matched", "none", "any"]))
-    def insert_request(self, data, running, jmode):
-        self.insert(data.draw(st.sampled_from(self.reqs), label="req"), data, running, jmode)
+    @rule(pick=PICK, running=st.booleans(), jmode=JMODE, junction=st.integers(0, 32),
+          end_ckpt=st.booleans(), sid=SID)
+    def insert_request(self, pick, running, jmode, junction, end_ckpt, sid):
+        self.insert(self.reqs[pick % len(self.reqs)], running, jmode, junction, end_ckpt, sid)
 
     @precondition(lambda self: self.reqs)
-    @rule(data=st.data())
-    def abort_request(self, data):
-        self.abort(data.draw(st.sampled_from(self.reqs), label="req"))
+    @rule(pick=PICK)
+    def abort_request(self, pick):
+        self.abort(self.reqs[pick % len(self.reqs)])
 
     # ------------------------------------------------------------------ plain matches and locks
-    @rule(data=st.data(), lock=st.booleans())
-    def match_tokens(self, data, lock):
-        """A match under any salt (salt isolation is checked inside), locked or not."""
-        m = self.match(self.draw_tokens(data), data.draw(st.sampled_from(SALTS), label="salt"),
-                       data.draw(PRIORITY, label="priority"))
-        if lock and len(self.held) < MAX_HELD:
+    @rule(tokens=TOKENS, salt=SALT, prio=PRIORITY, lock=st.sampled_from(["no", "lock", "match_lock"]))
+    def match_tokens(self, tokens, salt, prio, lock):
+        """A match under any salt (salt isolation is checked inside); then maybe a lock,
+        taken apart (lock(node)) or with the match (match(lock=True))."""
+        toks, salt = self.tokens(tokens, salt)
+        if lock == "no" or len(self.held) >= MAX_HELD:
+            self.match(toks, salt, prio)
+        elif lock == "lock":
+            m = self.match(toks, salt, prio)
             self.held.append(self.make_pin(m.node, self.tree.lock(m.node)))
+        else:
+            m = self.match(toks, salt, prio, lock=True)
+            assert m.receipt is not None and m.receipt.node is m.node
+            self.held.append(self.make_pin(m.node, m.receipt))
 
     @precondition(lambda self: self.held or self.released)
-    @rule(data=st.data())
-    def unlock_receipt(self, data):
+    @rule(pick=PICK, again=st.booleans())
+    def unlock_receipt(self, pick, again):
         """Unlock a held receipt, or unlock a released one again (must raise LockError)."""
-        if self.held and (not self.released or data.draw(st.booleans(), label="held")):
-            pin = data.draw(st.sampled_from(self.held), label="pin")
-            self.held.remove(pin)
+        if self.held and not (again and self.released):
+            pin = self.held.pop(pick % len(self.held))
             self.unlock(pin)
         else:
-            rc = data.draw(st.sampled_from(self.released), label="receipt")
             with pytest.raises(LockError):
-                self.tree.unlock(rc)
+                self.tree.unlock(self.released[pick % len(self.released)])
 
     # ------------------------------------------------------------------ eviction
-    @rule(ci=st.sampled_from([FULL, SWA, MAMBA]), k=st.one_of(st.integers(0, 6), st.just(HUGE)))
+    @precondition(lambda self: self.tree.num_nodes)
+    @rule(ci=st.sampled_from([FULL, SWA, MAMBA]), k=st.sampled_from([1, 0, 2, 3, 4, 6, HUGE]))
     def evict_some(self, ci, k):
         self.evict(ci, k)
 
     # ------------------------------------------------------------------ sessions
-    @rule(data=st.data(), sid=st.integers(0, 2), close=st.booleans())
-    def session(self, data, sid, close):
+    @rule(sid=st.integers(0, 2), close=st.booleans(), pick=PICK)
+    def session(self, sid, close, pick):
         if close:
             assert self.tree.close_session(sid) == (sid in self.sessions)
             self.sessions.pop(sid, None)
             return
         nodes = self.all_nodes()
-        node = data.draw(st.sampled_from(nodes), label="node") if nodes else self.tree.root(None)
+        node = nodes[pick % len(nodes)] if nodes else self.tree.root(None)
         self.tree.register_session(sid, node)
         self.sessions[sid] = self.make_pin(node, None)
 
@@ -513,8 +588,8 @@ class RadixTreeMachine(RuleBasedStateMachine):
         return [r.pin for r in self.reqs] + self.held
 
     def expected_counts(self, pins):
-        """Per node, per component: how many of these pins cover it (page components: the
-        chain up from the pinned node while it ends after lo; MAMBA: the node itself)."""
+        """Per node, per component: how many of these pins cover it (page components:
+        the chain up from the pinned node while it ends after lo; MAMBA: the node)."""
         exp = {}
         for pin in pins:
             if pin.lo is None:
@@ -524,7 +599,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
                 while x.parent is not None and x.end > pin.lo[ci]:
                     exp.setdefault(x, [0, 0, 0])[ci] += 1
                     x = x.parent
-            if pin.mamba:
+            if pin.lo[MAMBA]:
                 exp.setdefault(pin.node, [0, 0, 0])[MAMBA] += 1
         return exp
 
@@ -586,20 +661,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
                 f"session refs {x.refs} on {x}, sessions pinned {exp_r.get(x, [0, 0, 0])}")
 
         # locked data was never evicted
-        for pin in self.lock_pins():
-            if pin.lo is None:
-                continue
-            x = pin.node
-            while x.parent is not None:
-                assert x.attached, f"a node locked by a live receipt was removed: {x}"
-                x = x.parent
-            for ci in (FULL, SWA):
-                now = chain_pages(pin.node, ci, pin.lo[ci], P)
-                lost = {p: h for p, h in pin.snap[ci].items() if now.get(p) != h}
-                assert not lost, f"{NAMES[ci]} pages pinned by a live receipt are gone: {lost}"
-            if pin.mamba:
-                v = pin.node.value[MAMBA]
-                assert v is not None and v[0] == pin.snap[2], "a locked checkpoint was evicted"
+        check_pinned(self.lock_pins(), P)
 
         # no useless leaf survives unlocked
         for x in nodes:
@@ -610,11 +672,26 @@ class RadixTreeMachine(RuleBasedStateMachine):
             assert all(p in swa for p in need), f"unlocked leaf {x} lacks its SWA window (W={W})"
             assert x.value[MAMBA] is not None, f"unlocked leaf {x} has no checkpoint at its end"
 
-        # every evictable slot is on its component's eviction list
+        # every evictable slot is on its component's eviction list, in the tier its
+        # session references say (Node.where: 1 unreferenced, 2 session-referenced)
         for x in nodes:
             for ci in range(3):
                 if x.value[ci] is not None and x.locks[ci] == 0 and (ci != FULL or not x.children):
-                    assert x.where[ci], f"evictable {NAMES[ci]} slot of {x} is not listed"
+                    tier = 2 if x.refs[ci] else 1
+                    assert x.where[ci] == tier, (
+                        f"evictable {NAMES[ci]} slot of {x} (refs {x.refs[ci]}) is in eviction "
+                        f"tier {x.where[ci]}, expected {tier}")
+
+        # the eviction order, one slot at a time, on a copy of the tree (one component per
+        # step, in turn, when it has a choice to make)
+        ci = self.steps % 3
+        self.steps += 1
+        if sum(x.value[ci] is not None and x.locks[ci] == 0 for x in nodes) > 1:
+            probe, pins = copy.deepcopy((t, self.lock_pins()))
+            for _ in range(PROBE_POPS):
+                if not len(self.checked_evict(probe, ci, 1).freed[NAMES[ci]]):
+                    break
+            check_pinned(pins, P)
 
         # each request covers its tokens with pages
         for r in self.reqs:
@@ -647,7 +724,7 @@ _ALL_CHECKS = list(HealthCheck)
 
 TestRadixTreeStateful = RadixTreeMachine.TestCase
 TestRadixTreeStateful.settings = settings(
-    max_examples=60, stateful_step_count=50, deadline=None, suppress_health_check=_ALL_CHECKS)
+    max_examples=300, stateful_step_count=50, deadline=None, suppress_health_check=_ALL_CHECKS)
 
 
 @pytest.mark.slow

@@ -98,7 +98,7 @@ class PageComponent(Component):
         self.window = window
         self.keep_all = keep_all
         self.reach = window
-        self.plans = window is not None and not keep_all
+        self.plans = not self.structural  # FULL has no holes and no retention
 
     def window_start(self, b: int) -> int:
         return 0 if self.window is None else max(0, page_floor(b - self.window, self.page))
@@ -157,9 +157,13 @@ class PageComponent(Component):
         return self.window_start(nd.end)
 
     def plan(self, n, junction, incoming, prefix_len, out):
+        # nodes split where the incoming pages start or stop being present, so that a
+        # hole costs only its own span (below prefix_len the pages are the tree's own)
+        edges = tuple(p for p in _presence_edges(incoming, self.page) if p > prefix_len) \
+            if incoming is not None else ()
         W = self.window
         if W is None or self.keep_all:
-            return (), None, prefix_len
+            return edges, None, prefix_len
         P = self.page
         e = n - W
         e = e - e % P if e > 0 else 0
@@ -167,8 +171,8 @@ class PageComponent(Component):
             j = junction - W
             j = j - j % P if j > 0 else 0
             junction -= junction % P
-            return (e, j, junction), [(e, n), (j, junction)], prefix_len
-        return (e,), [(e, n)], prefix_len
+            return edges + (e, j, junction), [(e, n), (j, junction)], prefix_len
+        return edges + (e,), [(e, n)], prefix_len
 
     @staticmethod
     def _kept(keep, s: int, e: int) -> bool:
@@ -204,6 +208,26 @@ class PageComponent(Component):
 
 
 _ABSENT = b"\xff\xff\xff\xff"  # -1 as int32; no valid (non-negative) handle contains these bytes
+
+
+def _presence_edges(v: array, P: int) -> tuple:
+    """Token positions where v's pages switch between present and absent (-1)."""
+    b = v.tobytes()
+    if _ABSENT not in b:
+        return ()
+    # leading absent pages (a present handle never has a 0xff high byte, so the count
+    # of stripped bytes // 4 is exact)
+    k = (len(b) - len(b.lstrip(b"\xff"))) // 4
+    if _ABSENT not in b[4 * k:]:
+        return (k * P,) if 0 < k < len(v) else ()
+    edges = []
+    prev = v[0] >= 0
+    for i in range(1, len(v)):
+        cur = v[i] >= 0
+        if cur != prev:
+            edges.append(i * P)
+            prev = cur
+    return tuple(edges)
 
 
 def _all_present(v: array) -> bool:

@@ -150,16 +150,14 @@ class RadixTree:
             clock += 1
             nd.tick = clock
             nd.hits += 1
+            if priority is not None and priority > nd.priority:
+                nd.priority = priority  # before the queues see the node: it is in their key
             ci = 0
             for tier in nd.where:
                 if tier:
                     queues[ci][tier].touch(nd)
                 ci += 1
         self.clock = clock
-        if priority is not None:
-            for nd in path:
-                if priority > nd.priority:
-                    nd.priority = priority
 
     # ------------------------------------------------------------------ split
     def _split(self, nd: Node, k: int) -> Node:
@@ -288,8 +286,7 @@ class RadixTree:
                 return InsertResult(leaf, existing, outs, names, self.lock(leaf))
             if not self._useful(leaf):
                 self._remove(leaf, outs)
-                self._prune_up(nd, outs)
-                return InsertResult(nd if nd.attached else root, existing, outs, names)
+                return InsertResult(self._prune_up(nd, outs), existing, outs, names)
             return InsertResult(leaf, existing, outs, names)
         if existing and points:
             split = False
@@ -348,8 +345,7 @@ class RadixTree:
         if end.parent is not None and not end.children and not end.locks[0] and not self._useful(end):
             parent = end.parent
             self._remove(end, outs)
-            self._prune_up(parent, outs)
-            end = parent if parent.attached else root
+            end = self._prune_up(parent, outs)
         return InsertResult(end, existing, outs, names)
 
     def _new_node(self, parent: Node, key: bytes, s: int, e: int) -> Node:
@@ -419,8 +415,11 @@ class RadixTree:
                         self.locked[ci] += len(v)  # stays listed; eviction skips it
                     else:
                         self.locked[ci] -= len(v)
-                        if not nd.where[ci] and not (structural and nd.children):
-                            lst.place(nd, 2 if nd.refs[ci] else 1)
+                        if not (structural and nd.children):
+                            # references may have changed while locked: re-rank
+                            tier = 2 if nd.refs[ci] else 1
+                            if tier == 2 or nd.where[ci] != tier:
+                                lst.place(nd, tier)
             nd = nd.parent
 
     # ------------------------------------------------------------------ sessions
@@ -521,11 +520,14 @@ class RadixTree:
         if not parent.children and parent.parent is not None:
             self._place(self.lists[0], 0, parent, True)
 
-    def _prune_up(self, nd: Node, outs: list[array]) -> None:
+    def _prune_up(self, nd: Node, outs: list[array]) -> Node:
+        """Remove nd and its ancestors while each is an unlocked useless leaf; returns
+        the deepest node that stays."""
         while nd.parent is not None and not nd.children and not nd.locks[0] and not self._useful(nd):
             parent = nd.parent
             self._remove(nd, outs)
             nd = parent
+        return nd
 
     def _useful(self, leaf: Node) -> bool:
         for c in self._rules:
