@@ -315,7 +315,7 @@ class CacheMachine(RuleBasedStateMachine):
 _ALL_CHECKS = list(HealthCheck)
 
 TestCacheStateful = CacheMachine.TestCase
-TestCacheStateful.settings = settings(max_examples=300, stateful_step_count=50, deadline=None,
+TestCacheStateful.settings = settings(max_examples=200, stateful_step_count=50, deadline=None,
                                       suppress_health_check=_ALL_CHECKS)
 
 

@@ -159,7 +159,7 @@ class PageComponent(Component):
     def plan(self, n, junction, incoming, prefix_len, out):
         # nodes split where the incoming pages start or stop being present, so that a
         # hole costs only its own span (below prefix_len the pages are the tree's own)
-        edges = tuple(p for p in _presence_edges(incoming, self.page) if p > prefix_len) \
+        edges = _presence_edges(incoming, self.page, prefix_len // self.page) \
             if incoming is not None else ()
         W = self.window
         if W is None or self.keep_all:
@@ -210,22 +210,24 @@ class PageComponent(Component):
 _ABSENT = b"\xff\xff\xff\xff"  # -1 as int32; no valid (non-negative) handle contains these bytes
 
 
-def _presence_edges(v: array, P: int) -> tuple:
-    """Token positions where v's pages switch between present and absent (-1)."""
-    b = v.tobytes()
+def _presence_edges(v: array, P: int, start: int) -> tuple:
+    """Token positions past page `start` where v's pages switch between present and
+    absent (-1)."""
+    tail = v[start:]
+    b = tail.tobytes()
     if _ABSENT not in b:
         return ()
     # leading absent pages (a present handle never has a 0xff high byte, so the count
     # of stripped bytes // 4 is exact)
     k = (len(b) - len(b.lstrip(b"\xff"))) // 4
     if _ABSENT not in b[4 * k:]:
-        return (k * P,) if 0 < k < len(v) else ()
+        return ((start + k) * P,) if 0 < k < len(tail) else ()
     edges = []
-    prev = v[0] >= 0
-    for i in range(1, len(v)):
-        cur = v[i] >= 0
+    prev = tail[0] >= 0
+    for i in range(1, len(tail)):
+        cur = tail[i] >= 0
         if cur != prev:
-            edges.append(i * P)
+            edges.append((start + i) * P)
             prev = cur
     return tuple(edges)
 
