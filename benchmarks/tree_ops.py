@@ -24,7 +24,7 @@ import numpy as np
 
 from uniradix.cache import UnifiedRadixCache
 from uniradix.memory import HandleAllocator
-from uniradix.tree import encode, FullComponent, MambaComponent, RadixTree, SWAComponent
+from uniradix.tree import FullComponent, MambaComponent, RadixTree, SWAComponent
 
 WINDOW = 4096
 MAMBA_SLOTS = 512

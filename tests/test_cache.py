@@ -1,6 +1,5 @@
 """UnifiedRadixCache: the request lifecycle, eviction on shortfall, copy-on-write
 checkpoints, sessions, flush and exact accounting against real pools."""
-from array import array
 
 import pytest
 import torch

@@ -268,3 +268,12 @@ def test_swa_tombstone_removes_leaves_whose_window_it_breaks():
     assert m.boundary == 12 and list(m.handles["swa"]) == [34, 35, 36, 37]
     assert t.match(seq(6)).boundary == 0
     assert decode(shared.key) == seq(4)
+
+
+def test_tree_core_imports_only_the_standard_library():
+    import subprocess
+    import sys
+    code = ("import sys, uniradix.tree; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'torch')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
