@@ -7,6 +7,7 @@ MAMBA checkpoints into request-owned slots (copy-on-write), and keeps the counts
 from __future__ import annotations
 
 from array import array
+
 from .tree import CheckpointComponent, LockReceipt, RadixTree, encode
 from .tree.component import page_floor
 
@@ -61,7 +62,8 @@ class CachedRequest:
 class UnifiedRadixCache:
     """tree: a RadixTree over the model's components; pools: per component name, an
     object with alloc(n) -> array('i'), free(handles) and `available` (and copy_slot for
-    checkpoint components, unless accounting-only)."""
+    checkpoint components; without it, as with accounting-only allocators, nothing is
+    copied)."""
 
     def __init__(self, tree: RadixTree, pools: dict, copy_checkpoints: bool = True):
         missing = [n for n in tree.names if n not in pools]
@@ -73,9 +75,13 @@ class UnifiedRadixCache:
         self.names = tree.names
         self.pools = [pools[n] for n in tree.names]
         self.page_comps = [c for c in self.comps if not isinstance(c, CheckpointComponent)]
-        self.ckpt = next((c for c in self.comps if isinstance(c, CheckpointComponent)), None)
+        ckpts = [c for c in self.comps if isinstance(c, CheckpointComponent)]
+        if len(ckpts) > 1:
+            raise ValueError("the cache drives one checkpoint component (one recurrent state per request)")
+        self.ckpt = ckpts[0] if ckpts else None
         self.windowed = [c for c in self.page_comps if getattr(c, "window", None) is not None]
-        self.copy_checkpoints = copy_checkpoints
+        self.copy_checkpoints = copy_checkpoints and self.ckpt is not None and \
+            hasattr(self.pools[self.ckpt.index], "copy_slot")
         self._one_slot = [0] * len(self.pools)  # add_checkpoint's need
         if self.ckpt is not None:
             self._one_slot[self.ckpt.index] = 1
