@@ -226,3 +226,15 @@ def test_salted_requests_do_not_share():
 def test_missing_pool_is_a_clear_error():
     with pytest.raises(ValueError, match="no pool"):
         UnifiedRadixCache(RadixTree([FullComponent(), MambaComponent()]), {"full": HandleAllocator(4)})
+
+
+def test_append_tokens_that_do_not_fit_leave_the_request_unchanged():
+    cache = make(full=8)
+    req = cache.match_prefix(seq(6), alloc=True)
+    with pytest.raises(CacheFull):
+        cache.append_tokens(req, [1, 2, 3])  # 9 pages, 8 exist
+    assert req.num_tokens == 6 and len(req.pages["full"]) == 6
+    cache.append_tokens(req, [1, 2])
+    assert req.num_tokens == 8 and len(req.pages["full"]) == 8
+    cache.cache_finished(req)
+    check_accounting(cache)

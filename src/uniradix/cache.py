@@ -230,9 +230,11 @@ class UnifiedRadixCache:
                 pages[c.name] += h
 
     def append_tokens(self, req: CachedRequest, tokens) -> None:
-        """Decode: extend the request by `tokens` and allocate their pages."""
-        req.key += tokens if isinstance(tokens, bytes) else encode(tokens)
-        self.alloc_request(req)
+        """Decode: extend the request by `tokens` and allocate their pages; on CacheFull
+        the request is unchanged."""
+        more = tokens if isinstance(tokens, bytes) else encode(tokens)
+        self.alloc_request(req, (len(req.key) + len(more)) >> 2)  # CacheFull leaves req as it was
+        req.key += more
 
     def add_checkpoint(self, req: CachedRequest, pos: int) -> int:
         """A request-owned slot to capture the recurrent state at `pos` into; it goes to
