@@ -15,28 +15,15 @@ extensions and branches of inserted sequences, aligned or not.
 """
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 from array import array
-from pathlib import Path
 
 import pytest
 
 from uniradix.tree import POLICIES, CheckpointComponent, FullComponent, MambaComponent, RadixTree, SWAComponent
 
 
-def _helpers():
-    name = "uniradix_tree_test_helpers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("helpers.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-H = _helpers()
+import helpers as H  # tests/tree is on sys.path: pytest prepends a test file's folder
 
 
 # --------------------------------------------------------------------------- random trees

@@ -10,11 +10,8 @@ checkpoint component of the same four-component tree.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
-import sys
 from array import array
-from pathlib import Path
 
 import pytest
 
@@ -22,17 +19,7 @@ import uniradix.tree.tree as tree_module
 from uniradix.tree import FullComponent, LockError, MambaComponent, PageComponent, RadixTree, SWAComponent
 
 
-def _helpers():
-    name = "uniradix_tree_test_helpers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("helpers.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-H = _helpers()
+import helpers as H  # tests/tree is on sys.path: pytest prepends a test file's folder
 
 
 class CKVComponent(PageComponent):
