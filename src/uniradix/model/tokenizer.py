@@ -1,0 +1,12 @@
+"""A byte-level tokenizer: UTF-8 bytes are the token ids, so nothing is downloaded."""
+from __future__ import annotations
+
+
+class ByteTokenizer:
+    vocab_size = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) & 0xFF for i in ids).decode("utf-8", errors="replace")
