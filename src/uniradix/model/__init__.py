@@ -1,8 +1,9 @@
 """The reference hybrid model (F / S / M layers) and its no-cache oracle."""
 from .config import LAYER_KINDS, PRESETS, HybridConfig, preset
 from .reference import reference_forward
+from .paged import PagedInput, paged_forward
 from .tokenizer import ByteTokenizer
 from .weights import init_weights
 
 __all__ = ["LAYER_KINDS", "PRESETS", "HybridConfig", "preset", "reference_forward", "ByteTokenizer",
-           "init_weights"]
+           "init_weights", "PagedInput", "paged_forward"]
