@@ -27,6 +27,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from uniradix.memory import HandleAllocator
 from uniradix.tree import FullComponent, LockError, MambaComponent, RadixTree, SWAComponent, decode
 
+import helpers  # tests/tree is on sys.path: pytest prepends a test file's folder
+
 FULL, SWA, MAMBA = 0, 1, 2
 NAMES = ("full", "swa", "mamba")
 EVICT_KW = ("full_pages", "swa_pages", "mamba_slots")
@@ -185,14 +187,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
         self.released.append(pin.rc)
 
     def all_nodes(self):
-        out = []
-        for root in self.tree.roots.values():
-            stack = list(root.children.values())
-            while stack:
-                x = stack.pop()
-                out.append(x)
-                stack.extend(x.children.values())
-        return out
+        return helpers.all_nodes(self.tree)
 
     def brute_path(self, root, tokens):
         """Nodes along tokens (page by page, comparing decoded keys) and how far they match."""
