@@ -359,19 +359,17 @@ class UnifiedRadixCache:
         # the tree now owns [0, n): the request goes on with the tree's handles
         path = node.path()
         for c in self.page_comps:
-            req.pages[c.name] = self._tree_pages(c, path, n) + req.pages[c.name][npages:]
+            req.pages[c.name] = self._tree_pages(c, path) + req.pages[c.name][npages:]
         return node, r.receipt
 
     @staticmethod
-    def _tree_pages(c, path, n: int) -> array:
+    def _tree_pages(c, path) -> array:
         ci = c.index
         P = c.page
         out = array("i")
         for nd in path:
             v = nd.value[ci]
             out += v if v is not None else _NEG * ((nd.end - nd.start) // P)
-        if len(out) < n // P:  # the request's end was pruned (useless leaf): nothing cached past it
-            out += _NEG * (n // P - len(out))
         return out
 
     # ------------------------------------------------------------------ sessions and admin

@@ -32,9 +32,6 @@ class TickQueue:
         self.attr = attr
         self.touch_moves = touch_moves
 
-    def __len__(self) -> int:
-        return len(self.od) + len(self.late_key)
-
     def add(self, nd) -> None:
         k = getattr(nd, self.attr)
         if k >= self.last:
@@ -84,9 +81,6 @@ class HeapQueue:
         self.heap: list = []
         self.entry: dict = {}
         self.keyfn = keyfn
-
-    def __len__(self) -> int:
-        return len(self.entry)
 
     def add(self, nd) -> None:
         s = next(_seq)
@@ -151,9 +145,6 @@ class EvictionList:
         bk = base_key(policy)
         self.ref = HeapQueue(lambda nd, ci=ci, bk=bk: (nd.refs[ci], bk(nd)))
         self._queues = (None, self.plain, self.ref)
-
-    def __len__(self) -> int:
-        return len(self.plain) + len(self.ref)
 
     def place(self, nd, tier: int) -> None:
         """Put nd in tier 1 (unreferenced) or 2 (session-referenced); tier 0 takes it out."""

@@ -29,10 +29,6 @@ class Node:
         self.priority = 0
         self.attached = True
 
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
     def path(self) -> list["Node"]:
         """Nodes from the root's first child down to this node."""
         out = []

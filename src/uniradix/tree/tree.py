@@ -16,7 +16,7 @@ from .results import EvictResult, InsertResult, LockReceipt, MatchResult
 
 
 class LockError(RuntimeError):
-    """Unlocking a receipt twice, or closing the books on something never pinned."""
+    """Unlocking a receipt that was already unlocked."""
 
 
 def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
