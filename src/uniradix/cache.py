@@ -249,14 +249,16 @@ class UnifiedRadixCache:
         req.checkpoints[pos] = slot
         return slot
 
-    def release_out_of_window(self, req: CachedRequest) -> int:
+    def release_out_of_window(self, req: CachedRequest, upto: int | None = None) -> int:
         """Free the request's own SWA pages that fell out of the window, except the
         window at its junction; returns how many were freed. The window kept is the one
         ending at the page-aligned end (what the tree will cache), which also covers the
-        window that decoding still reads."""
+        window that decoding still reads. `upto` (default: all its tokens) is how far the
+        request has computed, for a chunked prefill whose later chunks still read the
+        window before them."""
         freed = 0
         P = self.page_size
-        end = page_floor(req.num_tokens, P)
+        end = page_floor(req.num_tokens if upto is None else min(upto, req.num_tokens), P)
         mark = None
         for c in self.windowed:
             pages = req.pages[c.name]

@@ -1,6 +1,9 @@
-"""The cached forward: requests bring the pages and the state they reuse, and new
-tokens; KV of the new tokens is written into the pools, attention reads cached plus
-new (SWA only its window), and the recurrent state advances in its own slot."""
+"""The cached forward over a batch: requests bring the pages and the state they reuse,
+and new tokens; KV of the new tokens is written into the pools, attention reads cached
+plus new (SWA only its window), and the recurrent state advances in its own slot.
+
+The batch's tokens go through the projections, norms and MLPs together; attention and
+the recurrent scan run per request, each over its own pages and slot."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,70 +30,100 @@ class PagedInput:
     state_slot: int | None = None
     capture: dict[int, int] = field(default_factory=dict)
 
-
-def _gather(pool, layer: int, pages, lo: int, hi: int):
-    """K and V of positions [lo, hi) from the pages that hold them."""
-    P = pool.page_size
-    first, last = lo // P, -(-hi // P)
-    idx = torch.as_tensor(list(pages[first:last]), dtype=torch.long)
-    if (idx < 0).any():
-        raise ValueError(f"a page needed for positions [{lo}, {hi}) is absent")
-    k = pool.k(layer)[idx].flatten(0, 1)
-    v = pool.v(layer)[idx].flatten(0, 1)
-    off = lo - first * P
-    return k[off:off + hi - lo], v[off:off + hi - lo]
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
 
 
-def _scatter(pool, layer: int, pages, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    P = pool.page_size
-    page = torch.as_tensor([pages[p // P] for p in pos.tolist()], dtype=torch.long)
-    off = pos % P
-    pool.k(layer)[page, off] = k
-    pool.v(layer)[page, off] = v
+class _Span:
+    """Where one request's K/V lives for one attention kind: the pages of [lo, end),
+    the offset of lo in the first page, and each new token's page and offset."""
+
+    __slots__ = ("idx", "off", "lo", "k_pos", "w_page", "w_off")
+
+    def __init__(self, pages, P: int, lo: int, start: int, end: int, device) -> None:
+        first, last = lo // P, -(-end // P)
+        window = list(pages[first:last])
+        if len(window) < last - first or min(window, default=0) < 0:
+            raise ValueError(f"a page needed for positions [{lo}, {end}) is absent")
+        self.idx = torch.as_tensor(window, dtype=torch.long, device=device)
+        self.off = lo - first * P
+        self.lo = lo
+        self.k_pos = torch.arange(lo, end, device=device)
+        new = range(start, end)
+        self.w_page = torch.as_tensor([pages[p // P] for p in new], dtype=torch.long, device=device)
+        self.w_off = torch.as_tensor([p % P for p in new], dtype=torch.long, device=device)
 
 
 @torch.no_grad()
 def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[PagedInput]) -> list[torch.Tensor]:
     """Logits [len(tokens), vocab] per request. pools: "full" and "swa" KVPools keyed
     by model layer index, "mamba" a MambaStatePool, as the layer pattern needs."""
-    return [_one(cfg, weights, pools, inp) for inp in inputs]
-
-
-def _one(cfg, weights, pools, inp: PagedInput) -> torch.Tensor:
-    ids = torch.as_tensor(list(inp.tokens), dtype=torch.long)
-    T, s = ids.shape[0], inp.start
-    end = s + T
-    pos = torch.arange(s, end)
+    if not inputs:
+        return []
+    device = weights["embed"].device
+    lens = [len(i.tokens) for i in inputs]
+    if min(lens) <= 0:
+        raise ValueError("every request in a batch brings at least one new token")
+    ids = torch.as_tensor([t for i in inputs for t in i.tokens], dtype=torch.long, device=device)
+    pos = torch.cat([torch.arange(i.start, i.end, device=device) for i in inputs])
+    bounds = [0]
+    for n in lens:
+        bounds.append(bounds[-1] + n)
+    N = bounds[-1]
     H, KV, hd, W = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.window
-    cuts = sorted(p - s for p in inp.capture if s < p <= end)
+    spans = {}
+    if "F" in cfg.pattern:
+        P = pools["full"].page_size
+        spans["F"] = [_Span(i.full_pages, P, 0, i.start, i.end, device) for i in inputs]
+    if "S" in cfg.pattern:
+        P = pools["swa"].page_size
+        spans["S"] = [_Span(i.swa_pages, P, max(0, i.start - W + 1), i.start, i.end, device) for i in inputs]
     x = weights["embed"][ids]
     for layer, (kind, lw) in enumerate(zip(cfg.pattern, weights["layers"])):
         h = rms_norm(x, lw["norm1"], cfg.norm_eps)
         if kind in "FS":
-            q = rope((h @ lw["wq"]).view(T, H, hd), pos, cfg.rope_theta)
-            k = rope((h @ lw["wk"]).view(T, KV, hd), pos, cfg.rope_theta)
-            v = (h @ lw["wv"]).view(T, KV, hd)
-            pool, pages = (pools["full"], inp.full_pages) if kind == "F" else (pools["swa"], inp.swa_pages)
-            _scatter(pool, layer, pages, pos, k, v)
-            lo = 0 if kind == "F" else max(0, s - W + 1)
-            keys, vals = _gather(pool, layer, pages, lo, end)
-            a = attend(q, keys, vals, pos, torch.arange(lo, end), W if kind == "S" else None)
-            x = x + a.reshape(T, H * hd) @ lw["wo"]
+            q = rope((h @ lw["wq"]).view(N, H, hd), pos, cfg.rope_theta)
+            k = rope((h @ lw["wk"]).view(N, KV, hd), pos, cfg.rope_theta)
+            v = (h @ lw["wv"]).view(N, KV, hd)
+            pool = pools["full" if kind == "F" else "swa"]
+            kp, vp = pool.k(layer), pool.v(layer)
+            out = torch.empty_like(q)
+            window = W if kind == "S" else None
+            for r, sp in enumerate(spans[kind]):
+                a, b = bounds[r], bounds[r + 1]
+                kp[sp.w_page, sp.w_off] = k[a:b]
+                vp[sp.w_page, sp.w_off] = v[a:b]
+                n = b - a + inputs[r].start - sp.lo
+                keys = kp[sp.idx].flatten(0, 1)[sp.off:sp.off + n]
+                vals = vp[sp.idx].flatten(0, 1)[sp.off:sp.off + n]
+                out[a:b] = attend(q[a:b], keys, vals, pos[a:b], sp.k_pos, window)
+            x = x + out.reshape(N, H * hd) @ lw["wo"]
         else:
             mp = pools["mamba"]
-            conv, ssm = mp.conv(layer)[inp.state_slot], mp.state(layer)[inp.state_slot]
-            outs, a = [], 0
-            for b in cuts + [T]:
-                if b > a:
-                    o, conv, ssm = recurrent_mix(h[a:b], lw, conv, ssm, H, hd, cfg.state_dim)
-                    outs.append(o)
-                slot = inp.capture.get(s + b)
-                if slot is not None:
-                    mp.conv(layer)[slot] = conv
-                    mp.state(layer)[slot] = ssm
-                a = b
-            mp.conv(layer)[inp.state_slot] = conv
-            mp.state(layer)[inp.state_slot] = ssm
+            outs = [_recurrent(cfg, lw, mp, layer, h[bounds[r]:bounds[r + 1]], inp)
+                    for r, inp in enumerate(inputs)]
             x = x + torch.cat(outs)
         x = x + mlp(rms_norm(x, lw["norm2"], cfg.norm_eps), lw)
-    return rms_norm(x, weights["norm_f"], cfg.norm_eps) @ weights["head"]
+    logits = rms_norm(x, weights["norm_f"], cfg.norm_eps) @ weights["head"]
+    return list(logits.split(lens))
+
+
+def _recurrent(cfg, lw, mp, layer: int, h: torch.Tensor, inp: PagedInput) -> torch.Tensor:
+    """Advance one request's state over its new tokens, copying it out at captures."""
+    s, T = inp.start, h.shape[0]
+    conv, ssm = mp.conv(layer)[inp.state_slot], mp.state(layer)[inp.state_slot]
+    cuts = sorted(p - s for p in inp.capture if s < p <= s + T)
+    outs, a = [], 0
+    for b in cuts + [T]:
+        if b > a:
+            o, conv, ssm = recurrent_mix(h[a:b], lw, conv, ssm, cfg.n_heads, cfg.head_dim, cfg.state_dim)
+            outs.append(o)
+        slot = inp.capture.get(s + b)
+        if slot is not None:
+            mp.conv(layer)[slot] = conv
+            mp.state(layer)[slot] = ssm
+        a = b
+    mp.conv(layer)[inp.state_slot] = conv
+    mp.state(layer)[inp.state_slot] = ssm
+    return torch.cat(outs)

@@ -1,0 +1,366 @@
+"""The reference engine: requests go match -> lock -> allocate -> prefill from the safe
+boundary -> decode -> cache, with continuous batching and admission control.
+
+Prefill and decode are one mechanism: a running sequence has `tokens` (prompt plus
+what it generated) of which `computed` are in its pages and recurrent state; each step
+runs the next chunk of the rest (one token when decoding) and samples when it reaches
+the end. The recurrent state is copied out (checkpoints) at the junction, at the
+page-aligned prompt end and, while decoding, at each page boundary, so the tree can
+resume later requests there."""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+
+from ..cache import CacheFull, CachedRequest
+from ..model import ByteTokenizer, HybridConfig, init_weights, preset
+from ..model.paged import PagedInput, paged_forward
+from ..tree.component import page_floor
+from .build import build_cache
+from .request import Request
+from .sampling import sample
+
+
+class _Seq:
+    """A request while the engine holds it (waiting or running)."""
+
+    __slots__ = ("req", "tokens", "creq", "computed", "target", "capture", "tail", "generator")
+
+    def __init__(self, req: Request, tokens: list[int]) -> None:
+        self.req = req
+        self.tokens = tokens
+        self.creq: CachedRequest | None = None
+        self.computed = 0
+        self.target = 0           # the tokens known at admission: below this is prefill
+        self.capture: dict[int, int] = {}
+        self.tail: int | None = None  # position of the rolling decode checkpoint
+        seed = req.sampling.seed
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+
+
+class Engine:
+    """The reference hybrid model behind a UnifiedRadixCache.
+
+    Flags follow SGLang's: `page_size`, `max_total_tokens` (FULL pool),
+    `swa_full_tokens_ratio`, `max_mamba_cache_size`, `chunked_prefill_size`,
+    `max_running_requests`, `radix_eviction_policy`, `disable_radix_cache`, `device`.
+    `submit` queues requests, `step` runs one scheduling step, `run` drives a list of
+    requests to the end."""
+
+    def __init__(self, config: HybridConfig | str = "tiny-hybrid", *, weights: dict | None = None,
+                 page_size: int = 1, max_total_tokens: int = 16384, swa_full_tokens_ratio: float = 1.0,
+                 max_mamba_cache_size: int | None = None, chunked_prefill_size: int = 256,
+                 max_running_requests: int = 16, radix_eviction_policy: str = "lru",
+                 disable_radix_cache: bool = False, device: str = "cpu") -> None:
+        self.cfg = preset(config) if isinstance(config, str) else config
+        if chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be at least 1, got {chunked_prefill_size}")
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be at least 1, got {max_running_requests}")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+        w = init_weights(self.cfg) if weights is None else weights
+        self.weights = _to(w, self.device)
+        if max_mamba_cache_size is None:
+            max_mamba_cache_size = 4 * max_running_requests + 64
+        self.cache, self.pools = build_cache(
+            self.cfg, page_size=page_size, max_total_tokens=max_total_tokens,
+            swa_full_tokens_ratio=swa_full_tokens_ratio, max_mamba_cache_size=max_mamba_cache_size,
+            eviction_policy=radix_eviction_policy, device=self.device)
+        self.page_size = page_size
+        self.chunk = chunked_prefill_size
+        self.max_running = max_running_requests
+        self.use_cache = not disable_radix_cache
+        self.has_state = "mamba" in self.pools
+        self.has_window = "swa" in self.pools
+        self.tokenizer = ByteTokenizer()
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.counters = dict(steps=0, finished=0, errors=0, preemptions=0, prefill_tokens=0,
+                             cached_tokens=0, prompt_tokens=0, decode_tokens=0, checkpoints_skipped=0)
+
+    # ------------------------------------------------------------------ requests in
+    def submit(self, req: Request) -> Request:
+        """Queue a request. Malformed input raises ValueError; a request the pools could
+        never hold finishes at once with status "error" and says why."""
+        if req.status != "new":
+            raise ValueError(f"request {req.rid} was already submitted")
+        if (req.input_ids is None) == (req.text is None):
+            raise ValueError("give a request exactly one of input_ids or text")
+        ids = self.tokenizer.encode(req.text) if req.text is not None else [int(t) for t in req.input_ids]
+        if not ids:
+            raise ValueError(f"request {req.rid} has an empty prompt")
+        V = self.cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"request {req.rid}: token ids must be in [0, {V}), got {bad[:5]}")
+        req.input_ids = ids
+        req.metrics.prompt_tokens = len(ids)
+        req.status = "waiting"
+        why = self._never_fits(req)
+        if why:
+            self._fail(req, why)
+        else:
+            self.waiting.append(_Seq(req, list(ids)))
+        return req
+
+    def _never_fits(self, req: Request) -> str | None:
+        P = self.page_size
+        L = len(req.input_ids)
+        total = -(-(L + req.sampling.max_new_tokens) // P)
+        need = {"full": total}
+        if self.has_window:
+            wp = -(-self.cfg.window // P)
+            need["swa"] = max(-(-L // P), min(total, 2 * wp + 3))
+        for name, n in need.items():
+            size = self.pools[name].size
+            if n > size:
+                return (f"request {req.rid} can never fit: it needs {n} {name} pages "
+                        f"({L} prompt + {req.sampling.max_new_tokens} new tokens at page size {P}) "
+                        f"and the pool holds {size}; raise max_total_tokens or shorten the request")
+        return None
+
+    def _fail(self, req: Request, why: str) -> None:
+        req.status = "error"
+        req.error = why
+        req.finish_reason = "error"
+        req.metrics.finished = time.perf_counter()
+        self.counters["errors"] += 1
+
+    # ------------------------------------------------------------------ driving
+    def run(self, requests: list[Request], progress=None) -> list[Request]:
+        """Submit the requests and step until all are done; `progress(req)` is called as
+        each one finishes."""
+        for r in requests:
+            if r.status == "new":
+                self.submit(r)
+            if r.done and progress:
+                progress(r)
+        while self.waiting or self.running:
+            for r in self.step():
+                if progress:
+                    progress(r)
+        return requests
+
+    def generate(self, input_ids=None, text=None, **sampling) -> Request:
+        """One request, run to the end (a convenience for scripts and tests)."""
+        from .request import SamplingParams
+        req = Request(input_ids=input_ids, text=text, sampling=SamplingParams(**sampling))
+        return self.run([req])[0]
+
+    def step(self) -> list[Request]:
+        """Admit what fits, run one batched forward (prefill chunks and one decode token
+        per decoding request), sample, and finish what is done. Returns the requests
+        that finished (or failed) in this step."""
+        done: list[Request] = []
+        self._admit(done)
+        batch = self._schedule(done)
+        if batch:
+            self.counters["steps"] += 1
+            inputs = [inp for _, inp in batch]
+            logits = paged_forward(self.cfg, self.weights, self.pools, inputs)
+            for (seq, inp), lg in zip(batch, logits):
+                self._advance(seq, inp, lg, done)
+        return done
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self, done: list[Request]) -> None:
+        while self.waiting and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            req = seq.req
+            try:
+                creq = self._match(seq)
+            except CacheFull as e:
+                if self.running:
+                    return  # it waits for running requests to free their pages
+                self.waiting.popleft()
+                self._fail(req, f"request {req.rid} can never fit: {e}")
+                done.append(req)
+                continue
+            self.waiting.popleft()
+            seq.creq = creq
+            b = creq.prefix_len
+            seq.computed = b
+            seq.target = len(seq.tokens)
+            if req.status == "waiting":  # first admission (a preempted one comes back "preempted")
+                req.metrics.cached_tokens = b
+                self.counters["cached_tokens"] += b
+                self.counters["prompt_tokens"] += len(seq.tokens)
+            req.status = "running"
+            if creq.state_slot is not None and b == 0:  # nothing to resume: start from zeros
+                self.pools["mamba"].zero_slots([creq.state_slot])
+            seq.capture = {}
+            if self.has_state and self.use_cache:
+                P = self.page_size
+                for pos in {page_floor(creq.matched, P), page_floor(seq.target, P)}:
+                    if pos > b:
+                        slot = self._checkpoint(creq, pos)
+                        if slot is not None:
+                            seq.capture[pos] = slot
+            self.running.append(seq)
+
+    def _match(self, seq: _Seq) -> CachedRequest:
+        """Match all but the last token, so at least one is computed and gives the
+        logits to sample from, and allocate pages for all of them; all or nothing."""
+        req = seq.req
+        creq = self.cache.match_prefix(seq.tokens[:-1], req.salt, req.priority, alloc=True)
+        try:
+            self.cache.alloc_request(creq, len(seq.tokens))
+        except CacheFull:
+            self.cache.release(creq)
+            raise
+        return creq
+
+    def _checkpoint(self, creq: CachedRequest, pos: int) -> int | None:
+        """A slot to capture the state at pos; skipped (None) when the pool is short,
+        since a checkpoint only saves later work."""
+        try:
+            return self.cache.add_checkpoint(creq, pos)
+        except CacheFull:
+            self.counters["checkpoints_skipped"] += 1
+            return None
+
+    # ------------------------------------------------------------------ scheduling
+    def _schedule(self, done: list[Request]) -> list[tuple[_Seq, PagedInput]]:
+        budget = self.chunk
+        batch = []
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted to make room for an earlier one
+            n = len(seq.tokens) - seq.computed
+            if n > 1:  # prefill, within the step's token budget
+                n = min(n, budget)
+                if n == 0:
+                    continue
+                budget -= n
+            elif not self._grow(seq, done):
+                continue
+            batch.append((seq, self._input(seq, n)))
+        return batch
+
+    def _grow(self, seq: _Seq, done: list[Request]) -> bool:
+        """Pages for the token a decoding sequence is about to compute. On a shortfall
+        the newest decoding sequence is preempted (its work is cached, it re-queues at
+        the front) until this one fits; False when this one was preempted itself."""
+        creq = seq.creq
+        while True:
+            try:
+                if creq.num_tokens < len(seq.tokens):
+                    self.cache.append_tokens(creq, seq.tokens[creq.num_tokens:])
+                return True
+            except CacheFull:
+                victim = next((s for s in reversed(self.running)
+                               if s.creq.num_tokens <= s.computed), seq)
+                if victim is seq and len(self.running) == 1:
+                    self.running.remove(seq)
+                    self._release(seq)
+                    self._fail(seq.req, f"request {seq.req.rid} can never fit: the pools cannot "
+                                        f"hold {len(seq.tokens)} tokens")
+                    done.append(seq.req)
+                    return False
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+
+    def _preempt(self, seq: _Seq) -> None:
+        self.running.remove(seq)
+        self._store(seq)
+        seq.req.status = "preempted"
+        seq.req.metrics.preemptions += 1
+        self.counters["preemptions"] += 1
+        self.waiting.appendleft(seq)
+
+    def _input(self, seq: _Seq, n: int) -> PagedInput:
+        creq = seq.creq
+        s = seq.computed
+        e = s + n
+        capture = {p: slot for p, slot in seq.capture.items() if s < p <= e}
+        P = self.page_size
+        if self.has_state and self.use_cache and P > 1 and e >= seq.target and e % P == 0 \
+                and e not in creq.checkpoints:
+            # the rolling decode checkpoint moves to each page boundary it passes
+            if seq.tail is not None:
+                slot = creq.checkpoints.pop(seq.tail)
+                creq.checkpoints[e] = slot
+            else:
+                slot = self._checkpoint(creq, e)
+            if slot is not None:
+                seq.tail = e
+                capture[e] = slot
+        pages = creq.pages
+        return PagedInput(seq.tokens[s:e], s, pages["full"], pages.get("swa"), creq.state_slot, capture)
+
+    # ------------------------------------------------------------------ after the forward
+    def _advance(self, seq: _Seq, inp: PagedInput, logits: torch.Tensor, done: list[Request]) -> None:
+        req, creq = seq.req, seq.creq
+        n = len(inp.tokens)
+        prefill = min(seq.computed + n, seq.target) - min(seq.computed, seq.target)
+        req.metrics.computed_tokens += prefill
+        self.counters["prefill_tokens"] += prefill
+        self.counters["decode_tokens"] += n - prefill
+        seq.computed += n
+        creq.state_len = seq.computed
+        if self.has_window:
+            self.cache.release_out_of_window(creq, seq.computed)
+        if seq.computed < len(seq.tokens):
+            return
+        row = logits[-1]
+        if req.record_logits:
+            req.logits.append(row.detach().to("cpu", copy=True))
+        tok = sample(row, req.sampling, seq.generator)
+        now = time.perf_counter()
+        if req.metrics.first_token is None:
+            req.metrics.first_token = now
+        req.output_ids.append(tok)
+        seq.tokens.append(tok)
+        req.metrics.output_tokens = len(req.output_ids)
+        if tok in req.sampling.stop_ids:
+            req.finish_reason = "stop"
+        elif len(req.output_ids) >= req.sampling.max_new_tokens:
+            req.finish_reason = "length"
+        else:
+            return
+        self.running.remove(seq)
+        self._store(seq, req.session_id)
+        req.status = "finished"
+        req.metrics.finished = now
+        self.counters["finished"] += 1
+        done.append(req)
+
+    def _store(self, seq: _Seq, session_id=None) -> None:
+        """Hand the sequence's computed tokens to the tree (or free them with the cache off)."""
+        creq = seq.creq
+        seq.creq, seq.capture, seq.tail = None, {}, None
+        if self.use_cache:
+            if creq.num_tokens < seq.computed:  # their pages are there: no allocation
+                self.cache.append_tokens(creq, seq.tokens[creq.num_tokens:seq.computed])
+            self.cache.cache_finished(creq, session_id)
+        else:
+            self.cache.release(creq)
+
+    def _release(self, seq: _Seq) -> None:
+        creq = seq.creq
+        seq.creq, seq.capture, seq.tail = None, {}, None
+        self.cache.release(creq)
+
+    # ------------------------------------------------------------------ admin
+    def close_session(self, session_id) -> bool:
+        return self.cache.close_session(session_id)
+
+    def stats(self) -> dict:
+        """Engine counters and the cache's own statistics."""
+        c = dict(self.counters)
+        c["hit_rate"] = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
+        c["waiting"] = len(self.waiting)
+        c["running"] = len(self.running)
+        c["cache"] = self.cache.stats()
+        return c
+
+
+def _to(weights: dict, device: torch.device) -> dict:
+    return {k: ([_to(x, device) for x in v] if isinstance(v, list) else
+                _to(v, device) if isinstance(v, dict) else v.to(device))
+            for k, v in weights.items()}
