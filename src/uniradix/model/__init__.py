@@ -3,7 +3,7 @@ from .config import LAYER_KINDS, PRESETS, HybridConfig, preset
 from .reference import reference_forward
 from .paged import PagedInput, paged_forward
 from .tokenizer import ByteTokenizer
-from .weights import init_weights
+from .weights import init_weights, load_weights, save_weights
 
 __all__ = ["LAYER_KINDS", "PRESETS", "HybridConfig", "preset", "reference_forward", "ByteTokenizer",
-           "init_weights", "PagedInput", "paged_forward"]
+           "init_weights", "save_weights", "load_weights", "PagedInput", "paged_forward"]

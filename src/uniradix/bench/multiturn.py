@@ -1,0 +1,101 @@
+"""The multi-turn workload: several clients, each extending one conversation over
+rounds. Each round every client sends its whole conversation so far plus new tokens;
+the round's hit rate is cached prefix tokens over prompt tokens, summed over the round."""
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class MultiTurnWorkload:
+    """`shared_prefix_tokens` open every conversation (a system prompt all clients
+    share); each round adds `tokens_per_round` new user tokens and asks for
+    `output_tokens` (greedy)."""
+
+    clients: int = 4
+    rounds: int = 4
+    tokens_per_round: int = 64
+    output_tokens: int = 16
+    shared_prefix_tokens: int = 32
+    vocab_size: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("clients", "rounds", "tokens_per_round", "output_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.shared_prefix_tokens < 0:
+            raise ValueError(f"shared_prefix_tokens must be >= 0, got {self.shared_prefix_tokens}")
+
+    @property
+    def requests(self) -> int:
+        return self.clients * self.rounds
+
+
+@dataclass
+class RoundReport:
+    """One round, summed over its requests. Throughput is prompt tokens (cached ones
+    included) per second of the round's wall time."""
+
+    round: int
+    requests: int
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    wall_s: float
+    ttfts: list = field(default_factory=list)
+    errors: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def ttft_mean(self) -> float:
+        return statistics.fmean(self.ttfts) if self.ttfts else float("nan")
+
+    @property
+    def input_throughput(self) -> float:
+        return self.prompt_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    def as_dict(self) -> dict:
+        return dict(round=self.round, requests=self.requests, prompt_tokens=self.prompt_tokens,
+                    cached_tokens=self.cached_tokens, computed_tokens=self.computed_tokens,
+                    hit_rate=self.hit_rate, ttft_mean_s=self.ttft_mean, wall_s=self.wall_s,
+                    input_throughput=self.input_throughput, errors=self.errors)
+
+
+def run_multiturn(engine, workload: MultiTurnWorkload, progress=None) -> list[RoundReport]:
+    """Drive `engine` (anything with `run(requests, progress)` taking Requests) through
+    the workload; each client's next prompt is its last prompt + the output + new tokens.
+    Returns one report per round."""
+    from ..engine import Request, SamplingParams
+
+    rng = random.Random(workload.seed)
+    V = workload.vocab_size
+
+    def fresh(n):
+        return [rng.randrange(V) for _ in range(n)]
+
+    shared = fresh(workload.shared_prefix_tokens)
+    convs = [shared + fresh(workload.tokens_per_round) for _ in range(workload.clients)]
+    sampling = SamplingParams(max_new_tokens=workload.output_tokens)
+    reports = []
+    for rnd in range(workload.rounds):
+        reqs = [Request(input_ids=list(c), sampling=sampling, session_id=f"client-{i}")
+                for i, c in enumerate(convs)]
+        t0 = time.perf_counter()
+        engine.run(reqs, progress)
+        wall = time.perf_counter() - t0
+        ok = [r for r in reqs if r.status == "finished"]
+        reports.append(RoundReport(
+            rnd + 1, len(reqs), sum(r.metrics.prompt_tokens for r in reqs),
+            sum(r.metrics.cached_tokens for r in ok), sum(r.metrics.computed_tokens for r in ok),
+            wall, [r.metrics.ttft for r in ok], len(reqs) - len(ok)))
+        convs = [r.input_ids + r.output_ids + fresh(workload.tokens_per_round) for r in reqs]
+    for i in range(workload.clients):
+        engine.close_session(f"client-{i}")
+    return reports

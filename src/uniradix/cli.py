@@ -1,0 +1,130 @@
+"""`uniradix`: command-line entry points. `uniradix run` serves a multi-turn workload
+on the embedded reference model and prints the hit rate, TTFT and input throughput
+per round. Engine flags follow SGLang's names."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from .model import PRESETS
+    from .tree import POLICIES
+    g = p.add_argument_group("engine (SGLang's flag names)")
+    g.add_argument("--model-preset", default="tiny-hybrid", choices=sorted(PRESETS),
+                   help="layer layout of the embedded reference model (default: tiny-hybrid, F+S+M)")
+    g.add_argument("--model-path", default=None,
+                   help="a safetensors file of weights for the preset (default: seeded weights)")
+    g.add_argument("--page-size", type=int, default=1)
+    g.add_argument("--max-total-tokens", type=int, default=16384, help="FULL KV pool size in tokens")
+    g.add_argument("--swa-full-tokens-ratio", type=float, default=1.0,
+                   help="SWA KV pool size as a fraction of the FULL pool")
+    g.add_argument("--max-mamba-cache-size", type=int, default=None,
+                   help="recurrent state slots (running requests and checkpoints)")
+    g.add_argument("--chunked-prefill-size", type=int, default=256)
+    g.add_argument("--max-running-requests", type=int, default=16)
+    g.add_argument("--radix-eviction-policy", default="lru", choices=POLICIES)
+    g.add_argument("--disable-radix-cache", action="store_true")
+    g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+
+
+def engine_from_args(a: argparse.Namespace):
+    from .engine import Engine
+    from .model import load_weights, preset
+    cfg = preset(a.model_preset)
+    weights = load_weights(cfg, a.model_path) if a.model_path else None
+    return Engine(cfg, weights=weights, page_size=a.page_size, max_total_tokens=a.max_total_tokens,
+                  swa_full_tokens_ratio=a.swa_full_tokens_ratio,
+                  max_mamba_cache_size=a.max_mamba_cache_size,
+                  chunked_prefill_size=a.chunked_prefill_size,
+                  max_running_requests=a.max_running_requests,
+                  radix_eviction_policy=a.radix_eviction_policy,
+                  disable_radix_cache=a.disable_radix_cache, device=a.device)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-turn workload")
+    g.add_argument("--clients", type=int, default=4, help="conversations in flight together")
+    g.add_argument("--rounds", type=int, default=6, help="turns per conversation")
+    g.add_argument("--tokens-per-round", type=int, default=96, help="new user tokens each turn")
+    g.add_argument("--output-tokens", type=int, default=16, help="tokens generated each turn")
+    g.add_argument("--shared-prefix-tokens", type=int, default=64,
+                   help="a system prompt every conversation opens with")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def workload_from_args(a: argparse.Namespace):
+    from .bench import MultiTurnWorkload
+    return MultiTurnWorkload(clients=a.clients, rounds=a.rounds, tokens_per_round=a.tokens_per_round,
+                             output_tokens=a.output_tokens, shared_prefix_tokens=a.shared_prefix_tokens,
+                             seed=a.seed)
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from .bench import run_multiturn
+    try:
+        wl = workload_from_args(a)
+        engine = engine_from_args(a)
+    except (ValueError, OSError) as e:
+        print(f"uniradix run: {e}", file=sys.stderr)
+        return 2
+    cfg = engine.cfg
+    print(f"uniradix run: {a.model_preset} (layers {cfg.pattern}), page size {a.page_size}, "
+          f"{wl.clients} clients x {wl.rounds} rounds, {wl.tokens_per_round} new tokens and "
+          f"{wl.output_tokens} output tokens per round, shared prefix {wl.shared_prefix_tokens}, "
+          f"cache {'off' if a.disable_radix_cache else 'on'}, device {engine.device}")
+    bar = None
+    if not a.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=wl.requests, desc="requests", unit="req", file=sys.stderr, leave=False)
+    reports = run_multiturn(engine, wl, (lambda r: bar.update(1)) if bar else None)
+    if bar:
+        bar.close()
+    if a.json:
+        print(json.dumps({"rounds": [r.as_dict() for r in reports], "engine": _plain(engine.stats())}))
+        return 0
+    print(f"{'round':>5} {'prompt tok':>10} {'cached tok':>10} {'hit rate':>8} "
+          f"{'TTFT ms':>8} {'input tok/s':>11} {'errors':>6}")
+    for r in reports:
+        print(f"{r.round:>5} {r.prompt_tokens:>10} {r.cached_tokens:>10} {r.hit_rate:>8.1%} "
+              f"{r.ttft_mean * 1e3:>8.1f} {r.input_throughput:>11,.0f} {r.errors:>6}")
+    tp = sum(r.prompt_tokens for r in reports)
+    tc = sum(r.cached_tokens for r in reports)
+    wall = sum(r.wall_s for r in reports)
+    ttfts = [t for r in reports for t in r.ttfts]
+    s = engine.stats()
+    print(f"{'all':>5} {tp:>10} {tc:>10} {tc / tp:>8.1%} "
+          f"{(sum(ttfts) / len(ttfts) if ttfts else float('nan')) * 1e3:>8.1f} {tp / wall:>11,.0f} "
+          f"{sum(r.errors for r in reports):>6}")
+    ev = s["cache"]["components"]["full"]["evicted"]
+    print(f"hit rate = cached prefix tokens / prompt tokens, summed per round; input tok/s counts "
+          f"cached tokens too.\nengine: {s['prefill_tokens']} prefill and {s['decode_tokens']} decode "
+          f"tokens computed, {s['preemptions']} preemptions, {ev} FULL pages evicted, {s['errors']} errors")
+    return 0
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x if isinstance(x, (int, float, str, bool)) or x is None else str(x)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="uniradix", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="serve a multi-turn workload on the embedded model; print hit rate, "
+                                   "TTFT and input throughput per round")
+    add_engine_args(r)
+    add_workload_args(r)
+    r.add_argument("--json", action="store_true", help="print the rounds as JSON instead of a table")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.set_defaults(func=cmd_run)
+    a = p.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""The multi-turn workload and `uniradix run`: what each round reports is what the
+requests did, and the hit rate is summed over a round, not averaged."""
+import json
+
+import pytest
+
+from uniradix.bench import MultiTurnWorkload, run_multiturn
+from uniradix.cli import main
+from uniradix.engine import Engine
+
+
+def test_each_round_extends_the_conversation_and_reuses_it():
+    wl = MultiTurnWorkload(clients=3, rounds=3, tokens_per_round=12, output_tokens=4, shared_prefix_tokens=8)
+    eng = Engine("tiny-hybrid", max_total_tokens=2048)
+    rounds = run_multiturn(eng, wl)
+    assert [r.round for r in rounds] == [1, 2, 3]
+    # round k's prompt: shared prefix + k * new tokens + (k - 1) outputs, per client
+    for k, r in enumerate(rounds, 1):
+        assert r.prompt_tokens == wl.clients * (8 + 12 * k + 4 * (k - 1))
+        assert r.errors == 0 and len(r.ttfts) == wl.clients
+    # round 1: nothing cached yet (all clients in flight together)
+    assert rounds[0].cached_tokens == 0
+    # later rounds reuse the previous turn up to its last computed token
+    for k in (2, 3):
+        prev = rounds[k - 2].prompt_tokens + wl.clients * (4 - 1)
+        assert rounds[k - 1].cached_tokens == prev
+        assert rounds[k - 1].computed_tokens == rounds[k - 1].prompt_tokens - prev
+    # summed, not averaged per request
+    r = rounds[2]
+    assert r.hit_rate == pytest.approx(r.cached_tokens / r.prompt_tokens)
+    assert eng.stats()["cache"]["sessions"] == 0  # closed at the end
+
+
+def test_cache_off_reuses_nothing_and_gives_the_same_outputs():
+    wl = MultiTurnWorkload(clients=2, rounds=2, tokens_per_round=10, output_tokens=3, shared_prefix_tokens=4)
+    on = run_multiturn(Engine("tiny-hybrid", max_total_tokens=1024), wl)
+    off = run_multiturn(Engine("tiny-hybrid", max_total_tokens=1024, disable_radix_cache=True), wl)
+    assert sum(r.cached_tokens for r in off) == 0
+    assert sum(r.cached_tokens for r in on) > 0
+    # the same prompts each round means the same outputs were generated before them
+    assert [r.prompt_tokens for r in on] == [r.prompt_tokens for r in off]
+
+
+def test_run_prints_rounds_as_json(capsys):
+    rc = main(["run", "--clients", "2", "--rounds", "3", "--tokens-per-round", "8", "--output-tokens", "2",
+               "--shared-prefix-tokens", "4", "--page-size", "4", "--no-progress", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rounds = out["rounds"]
+    assert len(rounds) == 3
+    assert rounds[0]["cached_tokens"] == 0 and rounds[2]["cached_tokens"] > 0
+    assert all(r["errors"] == 0 for r in rounds)
+    assert out["engine"]["finished"] == 6
+
+
+def test_run_prints_a_table(capsys):
+    assert main(["run", "--clients", "2", "--rounds", "2", "--tokens-per-round", "8", "--output-tokens", "2",
+                 "--model-preset", "jamba-like", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "hit rate" in out and "jamba-like" in out
+    assert out.count("\n") >= 5
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--clients", "0"], "clients"),
+    (["--page-size", "0"], "page size"),
+    (["--max-total-tokens", "0"], "max_total_tokens"),
+    (["--chunked-prefill-size", "0"], "chunked_prefill_size"),
+])
+def test_bad_flags_are_clear_errors(capsys, flags, message):
+    assert main(["run", "--no-progress", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_run_loads_weights_from_a_safetensors_file(tmp_path, capsys):
+    from uniradix.model import init_weights, preset, save_weights
+    cfg = preset("tiny-hybrid")
+    good = tmp_path / "w.safetensors"
+    save_weights(init_weights(cfg.with_(seed=5)), good, cfg=cfg.with_(seed=5))
+    args = ["run", "--clients", "1", "--rounds", "1", "--tokens-per-round", "4", "--output-tokens", "1",
+            "--no-progress", "--json"]
+    assert main([*args, "--model-path", str(good)]) == 0
+    other = preset("gemma3-like")
+    bad = tmp_path / "other.safetensors"
+    save_weights(init_weights(other), bad, cfg=other)
+    capsys.readouterr()
+    assert main([*args, "--model-path", str(bad)]) == 2
+    assert "layer pattern" in capsys.readouterr().err
+    assert main([*args, "--model-path", str(tmp_path / "missing.safetensors")]) == 2
