@@ -196,6 +196,22 @@ def test_out_of_window_swa_pages_are_freed_except_the_junction_window():
     check_accounting(cache)
 
 
+def test_resume_points_keep_their_window_while_decoding_and_in_the_tree():
+    cache = make(full=64, swa=64, window=4)
+    req = cache.match_prefix(seq(10))
+    req.resume_points.append(9)  # e.g. all but the last prompt token
+    cache.alloc_request(req)
+    cache.append_tokens(req, [3] * 10)  # 20 tokens
+    assert cache.release_out_of_window(req, upto=12) == 5  # [0, 5): before 9's window
+    cache.release_out_of_window(req)
+    swa = req.pages["swa"]
+    assert [p for p in range(20) if swa[p] >= 0] == [5, 6, 7, 8] + [16, 17, 18, 19]
+    check_accounting(cache, [req])
+    cache.cache_finished(req)
+    check_accounting(cache)
+    assert cache.match_prefix(seq(9)).cached_tokens == 9
+
+
 def test_sessions_keep_referenced_data_longest():
     cache = make(full=24)
     serve(cache, seq(8, base=0), session="s1")

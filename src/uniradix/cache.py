@@ -28,10 +28,13 @@ class CachedRequest:
     recurrent state (a copy of the checkpoint it resumed from), valid at `state_len`;
     `checkpoints` are further request-owned slots captured at page-aligned positions.
     `cached_tokens` is what it reused when it started; `matched` is its junction.
+    `resume_points` are further positions (the prompt end, say) where later requests
+    should be able to resume: like the junction, the SWA window before each is kept.
     """
 
     __slots__ = ("key", "salt", "priority", "prefix_len", "matched", "pages", "receipt", "node",
-                 "state_slot", "state_len", "checkpoints", "window_freed", "done", "cached_tokens")
+                 "state_slot", "state_len", "checkpoints", "window_freed", "done", "cached_tokens",
+                 "resume_points")
 
     def __init__(self, key: bytes, salt, priority, prefix_len: int, matched: int,
                  pages: dict, receipt: LockReceipt, node) -> None:
@@ -49,6 +52,7 @@ class CachedRequest:
         self.checkpoints: dict[int, int] = {}
         self.window_freed = 0
         self.done = False
+        self.resume_points: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -251,7 +255,7 @@ class UnifiedRadixCache:
 
     def release_out_of_window(self, req: CachedRequest, upto: int | None = None) -> int:
         """Free the request's own SWA pages that fell out of the window, except the
-        window at its junction; returns how many were freed. The window kept is the one
+        windows at its junction and resume points; returns how many were freed. The window kept is the one
         ending at the page-aligned end (what the tree will cache), which also covers the
         window that decoding still reads. `upto` (default: all its tokens) is how far the
         request has computed, for a chunked prefill whose later chunks still read the
@@ -263,13 +267,12 @@ class UnifiedRadixCache:
         for c in self.windowed:
             pages = req.pages[c.name]
             stop = c.window_start(end) // P
-            j = req.matched
-            jlo, jhi = c.window_start(j) // P, j // P
+            kept = [(c.window_start(j) // P, j // P) for j in (req.matched, *req.resume_points)]
             start = max(req.window_freed, req.prefix_len // P)
             out = array("i")
             for p in range(start, min(stop, len(pages))):
                 h = pages[p]
-                if h >= 0 and not (jlo <= p < jhi):
+                if h >= 0 and not any(lo <= p < hi for lo, hi in kept):
                     out.append(h)
                     pages[p] = -1
             if out:
@@ -344,7 +347,8 @@ class UnifiedRadixCache:
                 else:  # the state is not at the cached end: nothing to keep it for
                     self.pools[self.ckpt.index].free(array("i", (slot,)))
             values[self.ckpt.name] = ck
-        r = self.tree.insert(req.key, values, req.prefix_len, req.matched, req.salt, req.priority,
+        marks = (req.matched, *req.resume_points) if req.resume_points else req.matched
+        r = self.tree.insert(req.key, values, req.prefix_len, marks, req.salt, req.priority,
                              not finished)
         for ci, h in enumerate(r.outs):
             if h:

@@ -315,3 +315,23 @@ def test_junction_keeps_what_the_next_branch_resumes_from(make_engine, name, pag
         assert B.metrics.cached_tokens < pk, "the test needs k past what A left reusable"
     assert C.metrics.cached_tokens == pk, (C.metrics, pk)
     assert C.metrics.computed_tokens == len(C.input_ids) - pk
+
+
+@presets
+@grid
+def test_the_same_prompt_again_resumes_at_its_resume_point(make_engine, name, page):
+    """A request that decodes far past its prompt still leaves its prompt resumable: the
+    same prompt sent again (a regenerate) resumes at page_floor(len - 1), the deepest
+    point a match of all but the last token can reach, with the recurrent checkpoint and
+    the SWA window kept there, and is exact."""
+    rng = random.Random(11)
+    X = toks(rng, 37)
+    eng = make_engine(name, page_size=page)
+    first = greedy(X, 3 * 16 + 5)  # decodes well past the window and several pages
+    eng.run([first])
+    again = greedy(X, 4)
+    eng.run([again])
+    for r in (first, again):
+        check_exact(eng, r)
+        check_work(r)
+    assert again.metrics.cached_tokens == page_floor(len(X) - 1, page)

@@ -93,6 +93,18 @@ def test_swa_retention_keeps_end_and_junction_windows():
     assert t.size == [10, 4]
 
 
+def test_swa_retention_keeps_a_window_at_each_named_junction():
+    t = RadixTree([FullComponent(), SWAComponent(4)], page_size=2)
+    r = t.insert(seq(24), {"full": A(*range(12)), "swa": A(*range(100, 112))}, junction=(6, 14))
+    kept = {(nd.start, nd.end): (None if nd.value[1] is None else list(nd.value[1])) for nd in nodes(t)}
+    assert kept == {(0, 2): None, (2, 6): [101, 102], (6, 10): None, (10, 14): [105, 106],
+                    (14, 20): None, (20, 24): [110, 111]}
+    assert sorted(r.free["swa"]) == [100, 103, 104, 107, 108, 109]
+    for b in (6, 14, 24):
+        assert t.match(seq(b)).boundary == b
+    assert t.match(seq(12)).boundary == 6
+
+
 def test_swa_keep_all_setting_keeps_every_page():
     t = RadixTree([FullComponent(), SWAComponent(4, keep_all=True)], page_size=2)
     r = t.insert(seq(20), {"full": A(*range(10)), "swa": A(*range(100, 110))}, junction=10)

@@ -5,8 +5,9 @@ Prefill and decode are one mechanism: a running sequence has `tokens` (prompt pl
 what it generated) of which `computed` are in its pages and recurrent state; each step
 runs the next chunk of the rest (one token when decoding) and samples when it reaches
 the end. The recurrent state is copied out (checkpoints) at the junction, at the
-page-aligned prompt end and, while decoding, at each page boundary, so the tree can
-resume later requests there."""
+prompt's resume point (all but its last token, page-aligned: where the same prompt sent
+again resumes) and, while decoding, at each page boundary; the SWA window before the
+junction and the resume point is kept, so the tree can resume later requests there."""
 from __future__ import annotations
 
 import time
@@ -193,9 +194,13 @@ class Engine:
             if creq.state_slot is not None and b == 0:  # nothing to resume: start from zeros
                 self.pools["mamba"].zero_slots([creq.state_slot])
             seq.capture = {}
+            P = self.page_size
+            # the same prompt sent again matches all but its last token: it resumes here
+            end = page_floor(seq.target - 1, P)
+            if self.use_cache and end > b and (self.has_window or self.has_state):
+                creq.resume_points.append(end)
             if self.has_state and self.use_cache:
-                P = self.page_size
-                for pos in {page_floor(creq.matched, P), page_floor(seq.target, P)}:
+                for pos in {page_floor(creq.matched, P), end}:
                     if pos > b:
                         slot = self._checkpoint(creq, pos)
                         if slot is not None:

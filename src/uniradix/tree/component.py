@@ -71,8 +71,9 @@ class Component:
         raise NotImplementedError
 
     # --- insert -----------------------------------------------------------------
-    def plan(self, n: int, junction: int | None, incoming, prefix_len: int, out: array):
-        """For an insert of n tokens: (positions where nodes must split so values attach
+    def plan(self, n: int, junction: tuple, incoming, prefix_len: int, out: array):
+        """For an insert of n tokens, with `junction` the page-aligned positions later
+        requests should be able to resume at: (positions where nodes must split so values attach
         to whole nodes, what to keep (passed back to adopt/reconcile), and the position
         below which existing nodes need no reconcile). Handles that can attach nowhere
         go to `out` now."""
@@ -167,12 +168,15 @@ class PageComponent(Component):
         P = self.page
         e = n - W
         e = e - e % P if e > 0 else 0
-        if junction:
-            j = junction - W
+        cuts, keep = [e], [(e, n)]
+        for jn in junction:  # page-aligned positions later requests may resume at
+            if jn <= 0:
+                continue
+            j = jn - W
             j = j - j % P if j > 0 else 0
-            junction -= junction % P
-            return edges + (e, j, junction), [(e, n), (j, junction)], prefix_len
-        return edges + (e,), [(e, n)], prefix_len
+            cuts += (j, jn)
+            keep.append((j, jn))
+        return edges + tuple(cuts), keep, prefix_len
 
     @staticmethod
     def _kept(keep, s: int, e: int) -> bool:

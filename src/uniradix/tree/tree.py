@@ -199,14 +199,17 @@ class RadixTree:
         return False
 
     # ------------------------------------------------------------------ insert
-    def insert(self, tokens, values: dict, prefix_len: int = 0, junction: int | None = None,
+    def insert(self, tokens, values: dict, prefix_len: int = 0, junction=None,
                salt=None, priority: int | None = None, lock: bool = False) -> InsertResult:
         """Insert the page-aligned part of `tokens` with its handles.
 
         values: per component name. Page components: an array('i') of one handle per
         page of the aligned length, -1 where absent (FULL: none absent). Checkpoint
         components: {position: slot}. Handles of pages below `prefix_len` are the tree's
-        own (the caller got them from match) and are ignored. With `lock`, the end node is
+        own (the caller got them from match) and are ignored. `junction`: a position, or
+        several, where later requests should be able to resume (where this one branched
+        off, where its prompt ended): windowed components keep their window there. With
+        `lock`, the end node is
         locked before anything could evict it (`result.receipt`): a running request
         keeps its data even where the new leaf is not yet useful to others.
         """
@@ -220,8 +223,12 @@ class RadixTree:
         if full_in is None or len(full_in) != n // P:
             raise ValueError(f"insert needs {n // P} FULL handles for {n} tokens (page {P}), "
                              f"got {None if full_in is None else len(full_in)}")
-        if junction is not None:
-            junction = page_floor(min(junction, n), P)
+        if junction is None:
+            junction = ()
+        elif isinstance(junction, int):
+            junction = (page_floor(min(junction, n), P),) if junction > 0 else ()
+        else:
+            junction = tuple(sorted({page_floor(min(j, n), P) for j in junction if j > 0}))
         root = self.root(salt)
         nd = root
         path: list[Node] = []

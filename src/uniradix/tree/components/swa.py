@@ -4,7 +4,8 @@ from ..component import PageComponent
 
 class SWAComponent(PageComponent):
     """`keep_all` keeps every SWA page an insert brings instead of only the windows at
-    the end of the inserted span and at the request's junction."""
+    the end of the inserted span and at the positions the insert names as junctions
+    (where the request branched off, where its prompt ended)."""
 
     name = "swa"
 
