@@ -16,16 +16,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="layer layout of the embedded reference model (default: tiny-hybrid, F+S+M)")
     g.add_argument("--model-path", default=None,
                    help="a safetensors file of weights for the preset (default: seeded weights)")
-    g.add_argument("--page-size", type=int, default=1)
+    g.add_argument("--page-size", type=int, default=1, help="tokens per KV page")
     g.add_argument("--max-total-tokens", type=int, default=16384, help="FULL KV pool size in tokens")
     g.add_argument("--swa-full-tokens-ratio", type=float, default=1.0,
                    help="SWA KV pool size as a fraction of the FULL pool")
     g.add_argument("--max-mamba-cache-size", type=int, default=None,
-                   help="recurrent state slots (running requests and checkpoints)")
-    g.add_argument("--chunked-prefill-size", type=int, default=256)
-    g.add_argument("--max-running-requests", type=int, default=16)
-    g.add_argument("--radix-eviction-policy", default="lru", choices=POLICIES)
-    g.add_argument("--disable-radix-cache", action="store_true")
+                   help="recurrent state slots for running requests and checkpoints "
+                        "(default: 4 x max running requests + 64)")
+    g.add_argument("--chunked-prefill-size", type=int, default=256, help="prefill tokens per step")
+    g.add_argument("--max-running-requests", type=int, default=16, help="requests in a batch")
+    g.add_argument("--radix-eviction-policy", default="lru", choices=POLICIES, help="eviction order")
+    g.add_argument("--disable-radix-cache", action="store_true", help="reuse nothing (the baseline)")
     g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
 
 
@@ -45,13 +46,13 @@ def engine_from_args(a: argparse.Namespace):
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("multi-turn workload")
-    g.add_argument("--clients", type=int, default=4, help="conversations in flight together")
-    g.add_argument("--rounds", type=int, default=6, help="turns per conversation")
-    g.add_argument("--tokens-per-round", type=int, default=96, help="new user tokens each turn")
+    g.add_argument("--clients", type=int, default=8, help="conversations in flight together")
+    g.add_argument("--rounds", type=int, default=8, help="turns per conversation")
+    g.add_argument("--tokens-per-round", type=int, default=128, help="new user tokens each turn")
     g.add_argument("--output-tokens", type=int, default=16, help="tokens generated each turn")
-    g.add_argument("--shared-prefix-tokens", type=int, default=64,
+    g.add_argument("--shared-prefix-tokens", type=int, default=128,
                    help="a system prompt every conversation opens with")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seed of the generated conversations")
 
 
 def workload_from_args(a: argparse.Namespace):
@@ -115,7 +116,7 @@ def _plain(x):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="uniradix", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="serve a multi-turn workload on the embedded model; print hit rate, "
+    r = sub.add_parser("run", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="serve a multi-turn workload on the embedded model; print hit rate, "
                                    "TTFT and input throughput per round")
     add_engine_args(r)
     add_workload_args(r)
