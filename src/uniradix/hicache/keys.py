@@ -1,0 +1,75 @@
+"""L3 keys: a chained SHA-256 over each page's tokens, seeded by a namespace, so a key
+names a page *and everything before it*, and two models, two page sizes, two ranks or
+two tenants (salts) never share a key."""
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from dataclasses import dataclass
+
+from .storage import check_key
+
+
+@dataclass(frozen=True)
+class StorageNamespace:
+    """What must match for two engines to read each other's data: the model fingerprint
+    (layer pattern, dims, dtype: any text that changes when the KV would), the page
+    size, the tensor-parallel rank, and the request's cache salt."""
+
+    model: str
+    page_size: int
+    rank: int = 0
+    salt: object = None
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page size must be at least 1, got {self.page_size}")
+        if self.rank < 0:
+            raise ValueError(f"rank must be >= 0, got {self.rank}")
+
+    @classmethod
+    def for_model(cls, cfg, page_size: int, rank: int = 0, salt=None) -> "StorageNamespace":
+        """The fingerprint of a HybridConfig: every field (a changed window or dtype
+        changes the stored bytes' meaning)."""
+        fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+        return cls(json.dumps(fields, sort_keys=True), page_size, rank, salt)
+
+    def seed(self) -> bytes:
+        """The chain's starting digest."""
+        text = json.dumps([self.model, self.page_size, self.rank, repr(self.salt)])
+        return hashlib.sha256(b"uniradix-ns-v1\0" + text.encode()).digest()
+
+
+def page_keys(tokens, ns: StorageNamespace, start_digest: bytes | None = None) -> list[str]:
+    """One key per whole page of `tokens`: key_i = SHA-256(key_{i-1} || page_i's tokens as
+    little-endian int32), key_{-1} = the namespace seed (or `start_digest` to continue a
+    chain). A trailing partial page gets no key."""
+    P = ns.page_size
+    prev = ns.seed() if start_digest is None else start_digest
+    data = array("i", tokens)
+    if data.itemsize != 4:  # pragma: no cover - every platform CPython supports has 4-byte int
+        raise RuntimeError("int32 arrays are required")
+    raw = data.tobytes() if _LITTLE else _swapped(data)
+    out = []
+    step = 4 * P
+    for off in range(0, len(raw) - len(raw) % step, step):
+        prev = hashlib.sha256(prev + raw[off:off + step]).digest()
+        out.append(prev.hex())
+    return out
+
+
+def component_key(page_key: str, suffix: str) -> str:
+    """The key of a component's object at a page ("swa", "mamba") or a sidecar pool's
+    ("kv.scales", say, written with '_' for '.'): the page key plus a suffix."""
+    key = f"{check_key(page_key)}.{suffix}"
+    return check_key(key)
+
+
+_LITTLE = array("i", [1]).tobytes()[0] == 1
+
+
+def _swapped(a: array) -> bytes:
+    b = array("i", a)
+    b.byteswap()
+    return b.tobytes()

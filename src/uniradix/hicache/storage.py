@@ -1,0 +1,65 @@
+"""L3: the `StorageBackend` interface. A flat store of key -> bytes that engine
+instances share. Backends store and return opaque bytes; the object header (format,
+namespace, key, checksum) is added and checked above them (`objects.py`), so a backend
+never has to trust what it reads.
+
+Errors: a backend that cannot reach its store raises `StorageUnavailable` from any
+call; a set that fails for one key (disk full, say) reports False for it and goes on.
+"""
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+
+KEY_RE = re.compile(r"^[0-9a-f]{64}(\.[A-Za-z0-9_-]{1,32})?$")
+
+
+class StorageUnavailable(RuntimeError):
+    """The backend's store cannot be reached (down, refused, timed out)."""
+
+
+def check_key(key: str) -> str:
+    """Keys are a 64-hex-digit page hash, optionally with a component suffix."""
+    if not isinstance(key, str) or not KEY_RE.match(key):
+        raise ValueError(f"not a storage key: {key!r} (64 hex digits, optional .suffix)")
+    return key
+
+
+class StorageBackend(ABC):
+    """What every L3 backend implements. Keys: see `check_key`. All batch calls keep
+    the order of `keys`."""
+
+    name = "abstract"
+
+    @abstractmethod
+    def batch_exists(self, keys: list[str]) -> int:
+        """How many of `keys`, from the first, are present (the leading run)."""
+
+    @abstractmethod
+    def batch_get(self, keys: list[str]) -> list[bytes | None]:
+        """The stored bytes per key, None where absent."""
+
+    @abstractmethod
+    def batch_set(self, keys: list[str], values: list[bytes]) -> list[bool]:
+        """Store each value under its key (replacing); True per key that was stored."""
+
+    @abstractmethod
+    def delete(self, key: str) -> bool:
+        """Remove one key; True if it was there."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove every key this backend stored (its namespace of the store)."""
+
+    def stats(self) -> dict:
+        """Counters: at least gets, hits, sets, set_failures, errors."""
+        return {}
+
+    def close(self) -> None:
+        """Release connections and threads."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
