@@ -66,6 +66,9 @@ class KVPool(HandlePool):
     def _own_bytes_per_handle(self) -> int:
         return 2 * len(self._layer_ids) * math.prod(self.page_shape) * self._dtype.itemsize
 
+    def _handle_tensors(self) -> list[torch.Tensor]:
+        return [self._k, self._v]
+
     def k(self, layer_id: int) -> torch.Tensor:
         """K pages of one layer: ``[num_pages, page_size, num_kv_heads, head_dim]``."""
         i = self._layer(layer_id)

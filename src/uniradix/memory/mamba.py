@@ -70,6 +70,9 @@ class MambaStatePool(HandlePool):
         return n * (math.prod(self._conv_shape) * self._conv_dtype.itemsize
                     + math.prod(self._state_shape) * self._state_dtype.itemsize)
 
+    def _handle_tensors(self) -> list[torch.Tensor]:
+        return [self._conv, self._state]
+
     def conv(self, layer_id: int) -> torch.Tensor:
         """Conv state of one layer: ``[num_slots, *conv_shape]``."""
         i = self._layer(layer_id)

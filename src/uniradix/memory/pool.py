@@ -89,6 +89,15 @@ class HandlePool:
     def _own_bytes_per_handle(self) -> int:
         raise NotImplementedError
 
+    def handle_tensors(self) -> list[torch.Tensor]:
+        """The pool's own buffers, each ``[num_layers, size, ...]``: what one handle
+        owns is ``t[:, h]`` of each. Tiers copy handles through these."""
+        self._require_tensors()
+        return self._handle_tensors()
+
+    def _handle_tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
     # -- accounting ---------------------------------------------------------
     @property
     def available(self) -> int:
