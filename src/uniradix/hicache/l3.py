@@ -1,0 +1,203 @@
+"""A cache's pages and checkpoints in L3: which keys they go under, how deep a prefix
+the store can serve (the deepest boundary every component accepts), and all-or-nothing
+save and load through the checked object format.
+
+Keys: FULL page i under the chained page key k_i; a SWA page under k_i + ".swa"; a
+MAMBA checkpoint at position (i+1)*P under k_i + ".mamba"; a sidecar's row under the
+component's key with "_<sidecar>" added to the suffix (".full_scales" for FULL)."""
+from __future__ import annotations
+
+from ..tree import encode
+from .codec import handle_nbytes, read_handles, read_sidecar_rows, write_handles, write_sidecar_rows
+from .keys import StorageNamespace, component_key, page_keys
+from .objects import CorruptObject, pack_object, unpack_object
+from .storage import StorageBackend
+
+
+class L3Store:
+    """cache: a UnifiedRadixCache (its components, pools and page size); backend: the
+    StorageBackend; namespace: a StorageNamespace without salt (the salt of each call
+    is added to it)."""
+
+    def __init__(self, cache, backend: StorageBackend, namespace: StorageNamespace) -> None:
+        if namespace.page_size != cache.page_size:
+            raise ValueError(f"namespace page size {namespace.page_size} != cache page size {cache.page_size}")
+        self.cache = cache
+        self.backend = backend
+        self.namespace = namespace
+        self.P = cache.page_size
+        self.comps = cache.page_comps
+        self.ckpt = cache.ckpt
+        self.counters = dict(saved_objects=0, loaded_objects=0, corrupt=0, failed_sets=0, loads=0,
+                             failed_loads=0)
+
+    # ------------------------------------------------------------------ keys
+    def _ns(self, salt) -> StorageNamespace:
+        n = self.namespace
+        return n if salt is None else StorageNamespace(n.model, n.page_size, n.rank, salt)
+
+    def _key(self, page_key: str, c) -> str:
+        return page_key if c.index == 0 else component_key(page_key, c.name)
+
+    def _sidecar_keys(self, pool, c, keys):
+        out = []
+        for sc in getattr(pool, "sidecars", {}).values():
+            out.append((sc, [component_key(k, f"{c.name}_{sc.name}") for k in keys]))
+        return out
+
+    # ------------------------------------------------------------------ hit
+    def hit(self, tokens, salt=None) -> int:
+        """The deepest page-aligned boundary b such that the store has FULL pages of
+        [0, b), the SWA pages of the window before b, and a MAMBA checkpoint at b."""
+        keys = page_keys(tokens, self._ns(salt))
+        b_pages = self.backend.batch_exists(keys)
+        while b_pages > 0:
+            b = b_pages * self.P
+            if self._accepts(keys, b):
+                return b
+            b_pages -= 1
+        return 0
+
+    def _accepts(self, keys, b: int) -> bool:
+        P = self.P
+        for c in self.comps[1:]:
+            lo = c.window_start(b) // P
+            ks = [self._key(k, c) for k in keys[lo:b // P]]
+            if self.backend.batch_exists(ks) != len(ks):
+                return False
+        if self.ckpt is not None:
+            k = component_key(keys[b // P - 1], self.ckpt.name)
+            if self.backend.batch_exists([k]) != 1:
+                return False
+        return True
+
+    # ------------------------------------------------------------------ save
+    def save(self, tokens, pages: dict, checkpoints: dict | None = None, salt=None) -> int:
+        """Write what the store lacks: for each page component the pages of `pages[name]`
+        that are present (>= 0), their sidecar rows, and checkpoint slots at their
+        page-aligned positions. Returns the objects written."""
+        ns = self._ns(salt)
+        seed = ns.seed()
+        keys = page_keys(tokens, ns)
+        out_k, out_v = [], []
+        for c in self.comps:
+            pool = self.cache.pools[c.index]
+            hs = pages.get(c.name)
+            if hs is None:
+                continue
+            pos = [i for i in range(min(len(hs), len(keys))) if hs[i] >= 0]
+            ks = [self._key(keys[i], c) for i in pos]
+            pos, ks = self._missing(pos, ks)
+            if not pos:
+                continue
+            handles = [hs[i] for i in pos]
+            out_k += ks
+            out_v += [pack_object(k, b, seed) for k, b in zip(ks, read_handles(pool, handles))]
+            for sc, sks in self._sidecar_keys(pool, c, [keys[i] for i in pos]):
+                out_k += sks
+                out_v += [pack_object(k, b, seed) for k, b in zip(sks, read_sidecar_rows(sc, handles))]
+        if self.ckpt is not None and checkpoints:
+            pool = self.cache.pools[self.ckpt.index]
+            pos = [p for p in sorted(checkpoints) if p % self.P == 0 and 0 < p <= len(keys) * self.P]
+            ks = [component_key(keys[p // self.P - 1], self.ckpt.name) for p in pos]
+            pos, ks = self._missing(pos, ks)
+            if pos:
+                out_k += ks
+                out_v += [pack_object(k, b, seed) for k, b in
+                          zip(ks, read_handles(pool, [checkpoints[p] for p in pos]))]
+        if not out_k:
+            return 0
+        ok = self.backend.batch_set(out_k, out_v)
+        n = sum(ok)
+        self.counters["saved_objects"] += n
+        self.counters["failed_sets"] += len(ok) - n
+        return n
+
+    def save_cached(self, tokens, salt=None) -> int:
+        """Write what the cache's tree holds along `tokens` (every page still there,
+        every checkpoint on the path) that the store lacks; the write-through of a
+        finished request. Returns the objects written."""
+        tree = self.cache.tree
+        key = encode(list(tokens))
+        nd, off, path = tree.root(salt), 0, []
+        while True:  # whole nodes along tokens; read-only (a match would split and touch)
+            ch = nd.children.get(key[off:off + tree.unit])
+            if ch is None or not key.startswith(ch.key, off):
+                break
+            path.append(ch)
+            off += len(ch.key)
+            nd = ch
+        if not path:
+            return 0
+        pages, ckpts = {}, {}
+        for c in self.comps:
+            pages[c.name] = self.cache._tree_pages(c, path)
+        if self.ckpt is not None:
+            ci = self.ckpt.index
+            for nd in path:
+                v = nd.value[ci]
+                if v is not None:
+                    ckpts[nd.end] = v[0]
+        return self.save(list(tokens)[:path[-1].end], pages, ckpts, salt)
+
+    def _missing(self, pos, ks):
+        keep = [(p, k) for p, k in zip(pos, ks) if self.backend.batch_exists([k]) == 0]
+        return [p for p, _ in keep], [k for _, k in keep]
+
+    # ------------------------------------------------------------------ load
+    def load(self, tokens, b: int, pages: dict, state_slot: int | None = None, salt=None) -> bool:
+        """Read what a request resuming at b needs (FULL pages of [0, b), SWA pages of the
+        window before b, the MAMBA checkpoint at b) into the handles given in
+        `pages[name]` (one per page; only the window's entries are used for SWA) and
+        `state_slot`. All or nothing: a missing or bad object writes nothing and returns
+        False (bad ones are counted)."""
+        if b % self.P:
+            raise ValueError(f"boundary {b} is not page-aligned ({self.P})")
+        self.counters["loads"] += 1
+        ns = self._ns(salt)
+        seed = ns.seed()
+        keys = page_keys(tokens[:b], ns)
+        if len(keys) * self.P != b:
+            raise ValueError(f"{len(tokens)} tokens cannot resume at {b}")
+        plan = []  # (pool or sidecar, handles, keys, is_sidecar)
+        for c in self.comps:
+            pool = self.cache.pools[c.index]
+            lo = c.window_start(b) // self.P
+            hs = list(pages[c.name][lo:b // self.P])
+            if len(hs) != b // self.P - lo or min(hs, default=0) < 0:
+                raise ValueError(f"{c.name}: need handles for pages [{lo}, {b // self.P})")
+            page_ks = keys[lo:]
+            plan.append((pool, hs, [self._key(k, c) for k in page_ks], False))
+            for sc, sks in self._sidecar_keys(pool, c, page_ks):
+                plan.append((sc, hs, sks, True))
+        if self.ckpt is not None and b > 0:
+            if state_slot is None:
+                raise ValueError("a model with recurrent layers needs a state slot to load into")
+            plan.append((self.cache.pools[self.ckpt.index], [state_slot],
+                         [component_key(keys[-1], self.ckpt.name)], False))
+        all_keys = [k for _, _, ks, _ in plan for k in ks]
+        data = self.backend.batch_get(all_keys)
+        blobs, i = [], 0
+        try:
+            for _, _, ks, _ in plan:
+                blobs.append([unpack_object(d, k, seed) for k, d in zip(ks, data[i:i + len(ks)])])
+                i += len(ks)
+        except CorruptObject as e:
+            if e.reason != "absent":
+                self.counters["corrupt"] += 1
+            self.counters["failed_loads"] += 1
+            return False
+        for (target, _, _, sidecar), bl in zip(plan, blobs):
+            t = target.tensor if sidecar else None
+            n = t[0].numel() * t.element_size() if sidecar else handle_nbytes(target)
+            if any(len(x) != n for x in bl):  # a sound object from a differently shaped pool
+                self.counters["corrupt"] += 1
+                self.counters["failed_loads"] += 1
+                return False
+        for (target, hs, _, sidecar), bl in zip(plan, blobs):
+            (write_sidecar_rows if sidecar else write_handles)(target, hs, bl)
+        self.counters["loaded_objects"] += len(all_keys)
+        return True
+
+    def stats(self) -> dict:
+        return dict(self.counters, backend=self.backend.stats())
