@@ -283,6 +283,30 @@ class UnifiedRadixCache:
             req.window_freed = mark
         return freed
 
+    def resumed_from(self, req: CachedRequest, upto: int) -> int:
+        """The request's own pages and state were filled from another tier up to `upto`
+        (page-aligned, past its prefix): it now resumes there. Its own windowed pages
+        below the window before `upto` hold nothing and are freed (no junction window
+        is kept for them); returns how many were freed."""
+        P = self.page_size
+        if upto % P or upto < req.prefix_len or upto > req.num_tokens:
+            raise ValueError(f"cannot resume at {upto}: prefix {req.prefix_len}, {req.num_tokens} tokens, page {P}")
+        freed = 0
+        for c in self.windowed:
+            pages = req.pages[c.name]
+            out = array("i")
+            for p in range(req.prefix_len // P, c.window_start(upto) // P):
+                if pages[p] >= 0:
+                    out.append(pages[p])
+                    pages[p] = -1
+            if out:
+                self.pools[c.index].free(out)
+                freed += len(out)
+        req.cached_tokens = upto
+        if req.state_slot is not None:
+            req.state_len = upto
+        return freed
+
     def cache_unfinished(self, req: CachedRequest, checkpoints: dict[int, int] | None = None) -> None:
         """Insert what the running request has so far; it keeps going on the tree's copy."""
         if checkpoints:

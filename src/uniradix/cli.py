@@ -28,6 +28,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--radix-eviction-policy", default="lru", choices=POLICIES, help="eviction order")
     g.add_argument("--disable-radix-cache", action="store_true", help="reuse nothing (the baseline)")
     g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    g.add_argument("--hicache-storage-backend", default=None,
+                   choices=["file", "redis", "mooncake", "dynamic"],
+                   help="L3 shared storage: finished work is written through, deeper prefixes are loaded")
+    g.add_argument("--hicache-storage-backend-extra-config", default=None,
+                   help="backend settings as a JSON object or @file (path, url, prefix, ...; "
+                        "prefetch_threshold: tokens beyond the device hit worth a load, default 256)")
 
 
 def engine_from_args(a: argparse.Namespace):
@@ -35,7 +41,14 @@ def engine_from_args(a: argparse.Namespace):
     from .model import load_weights, preset
     cfg = preset(a.model_preset)
     weights = load_weights(cfg, a.model_path) if a.model_path else None
-    return Engine(cfg, weights=weights, page_size=a.page_size, max_total_tokens=a.max_total_tokens,
+    storage, threshold = None, 256
+    if a.hicache_storage_backend:
+        from .hicache.backends import make_backend, parse_extra_config
+        extra = parse_extra_config(a.hicache_storage_backend_extra_config)
+        threshold = int(extra.get("prefetch_threshold", threshold))
+        storage = make_backend(a.hicache_storage_backend, extra)
+    return Engine(cfg, weights=weights, storage=storage, storage_prefetch_threshold=threshold,
+                  page_size=a.page_size, max_total_tokens=a.max_total_tokens,
                   swa_full_tokens_ratio=a.swa_full_tokens_ratio,
                   max_mamba_cache_size=a.max_mamba_cache_size,
                   chunked_prefill_size=a.chunked_prefill_size,
@@ -102,6 +115,10 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(f"hit rate = cached prefix tokens / prompt tokens, summed per round; input tok/s counts "
           f"cached tokens too.\nengine: {s['prefill_tokens']} prefill and {s['decode_tokens']} decode "
           f"tokens computed, {s['preemptions']} preemptions, {ev} FULL pages evicted, {s['errors']} errors")
+    if a.hicache_storage_backend:
+        print(f"L3 ({a.hicache_storage_backend}): {s['storage_tokens']} prompt tokens loaded in "
+              f"{s['storage_loads']} loads ({s['storage_failed_loads']} failed), "
+              f"{s['storage_saved_objects']} objects written, {s['storage_errors']} errors")
     return 0
 
 

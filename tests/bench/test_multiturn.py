@@ -87,3 +87,19 @@ def test_run_loads_weights_from_a_safetensors_file(tmp_path, capsys):
     assert main([*args, "--model-path", str(bad)]) == 2
     assert "layer pattern" in capsys.readouterr().err
     assert main([*args, "--model-path", str(tmp_path / "missing.safetensors")]) == 2
+
+
+def test_run_with_l3_storage_reuses_across_processes(tmp_path, capsys):
+    extra = json.dumps({"path": str(tmp_path / "l3"), "prefetch_threshold": 8})
+    args = ["run", "--clients", "2", "--rounds", "2", "--tokens-per-round", "16", "--output-tokens", "2",
+            "--shared-prefix-tokens", "0", "--no-progress", "--hicache-storage-backend", "file",
+            "--hicache-storage-backend-extra-config", extra]
+    assert main([*args, "--json"]) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert first["rounds"][0]["cached_tokens"] == 0 and first["engine"]["storage_saved_objects"] > 0
+    assert main([*args, "--json"]) == 0  # a fresh engine over the same store
+    second = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert second["rounds"][0]["cached_tokens"] > 0 and second["engine"]["storage_tokens"] > 0
+    assert main(args) == 0
+    assert "L3 (file)" in capsys.readouterr().out
+    assert main([*args[:-1], "{broken"]) == 2

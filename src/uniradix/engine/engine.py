@@ -48,13 +48,20 @@ class Engine:
     `swa_full_tokens_ratio`, `max_mamba_cache_size`, `chunked_prefill_size`,
     `max_running_requests`, `radix_eviction_policy`, `disable_radix_cache`, `device`.
     `submit` queues requests, `step` runs one scheduling step, `run` drives a list of
-    requests to the end."""
+    requests to the end.
+
+    `storage`: a hicache StorageBackend shared with other engines (L3). Finished work
+    is written through to it; a request whose prefix the store holds at least
+    `storage_prefetch_threshold` tokens deeper than the device loads it (all or
+    nothing) instead of computing it. A store that fails costs only the reuse: the
+    request computes, the error is counted."""
 
     def __init__(self, config: HybridConfig | str = "tiny-hybrid", *, weights: dict | None = None,
                  page_size: int = 1, max_total_tokens: int = 16384, swa_full_tokens_ratio: float = 1.0,
                  max_mamba_cache_size: int | None = None, chunked_prefill_size: int = 256,
                  max_running_requests: int = 16, radix_eviction_policy: str = "lru",
-                 disable_radix_cache: bool = False, device: str = "cpu") -> None:
+                 disable_radix_cache: bool = False, device: str = "cpu",
+                 storage=None, storage_prefetch_threshold: int = 256, rank: int = 0) -> None:
         self.cfg = preset(config) if isinstance(config, str) else config
         if chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be at least 1, got {chunked_prefill_size}")
@@ -81,7 +88,17 @@ class Engine:
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.counters = dict(steps=0, finished=0, errors=0, preemptions=0, prefill_tokens=0,
-                             cached_tokens=0, prompt_tokens=0, decode_tokens=0, checkpoints_skipped=0)
+                             cached_tokens=0, prompt_tokens=0, decode_tokens=0, checkpoints_skipped=0,
+                             storage_tokens=0, storage_loads=0, storage_failed_loads=0,
+                             storage_errors=0, storage_saved_objects=0)
+        self.l3 = None
+        if storage is not None:
+            from ..hicache import StorageNamespace
+            from ..hicache.l3 import L3Store
+            if storage_prefetch_threshold < 0:
+                raise ValueError(f"storage_prefetch_threshold must be >= 0, got {storage_prefetch_threshold}")
+            self.l3 = L3Store(self.cache, storage, StorageNamespace.for_model(self.cfg, page_size, rank))
+            self.storage_threshold = max(storage_prefetch_threshold, 1)
 
     # ------------------------------------------------------------------ requests in
     def submit(self, req: Request) -> Request:
@@ -184,15 +201,18 @@ class Engine:
             self.waiting.popleft()
             seq.creq = creq
             b = creq.prefix_len
+            if creq.state_slot is not None and b == 0:  # nothing to resume: start from zeros
+                self.pools["mamba"].zero_slots([creq.state_slot])
+            if self.l3 is not None and self.use_cache:
+                b = self._from_storage(seq, creq)
             seq.computed = b
             seq.target = len(seq.tokens)
             if req.status == "waiting":  # first admission (a preempted one comes back "preempted")
                 req.metrics.cached_tokens = b
+                req.metrics.storage_tokens = b - creq.prefix_len
                 self.counters["cached_tokens"] += b
                 self.counters["prompt_tokens"] += len(seq.tokens)
             req.status = "running"
-            if creq.state_slot is not None and b == 0:  # nothing to resume: start from zeros
-                self.pools["mamba"].zero_slots([creq.state_slot])
             seq.capture = {}
             P = self.page_size
             # the same prompt sent again matches all but its last token: it resumes here
@@ -218,6 +238,28 @@ class Engine:
             self.cache.release(creq)
             raise
         return creq
+
+    def _from_storage(self, seq: _Seq, creq: CachedRequest) -> int:
+        """Extend the device boundary from L3 when the store holds enough more; returns
+        where the request resumes."""
+        from ..hicache import StorageUnavailable
+        b = creq.prefix_len
+        tokens, salt = seq.tokens[:-1], seq.req.salt
+        try:
+            h = self.l3.hit(tokens, salt)
+            if h - b < self.storage_threshold:
+                return b
+            self.counters["storage_loads"] += 1
+            ok = self.l3.load(tokens, h, creq.pages, creq.state_slot, salt, start=b)
+        except StorageUnavailable:
+            self.counters["storage_errors"] += 1
+            return b
+        if not ok:
+            self.counters["storage_failed_loads"] += 1
+            return b
+        self.cache.resumed_from(creq, h)
+        self.counters["storage_tokens"] += h - b
+        return h
 
     def _checkpoint(self, creq: CachedRequest, pos: int) -> int | None:
         """A slot to capture the state at pos; skipped (None) when the pool is short,
@@ -343,8 +385,17 @@ class Engine:
             if creq.num_tokens < seq.computed:  # their pages are there: no allocation
                 self.cache.append_tokens(creq, seq.tokens[creq.num_tokens:seq.computed])
             self.cache.cache_finished(creq, session_id)
+            if self.l3 is not None:
+                self._write_through(seq)
         else:
             self.cache.release(creq)
+
+    def _write_through(self, seq: _Seq) -> None:
+        from ..hicache import StorageUnavailable
+        try:
+            self.counters["storage_saved_objects"] += self.l3.save_cached(seq.tokens[:seq.computed], seq.req.salt)
+        except StorageUnavailable:
+            self.counters["storage_errors"] += 1
 
     def _release(self, seq: _Seq) -> None:
         creq = seq.creq

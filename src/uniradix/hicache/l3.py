@@ -87,6 +87,9 @@ class L3Store:
                 continue
             pos = [i for i in range(min(len(hs), len(keys))) if hs[i] >= 0]
             ks = [self._key(keys[i], c) for i in pos]
+            if c.index == 0:  # FULL: whatever the leading run holds is there
+                have = self.backend.batch_exists(ks)
+                pos, ks = pos[have:], ks[have:]
             pos, ks = self._missing(pos, ks)
             if not pos:
                 continue
@@ -145,14 +148,16 @@ class L3Store:
         return [p for p, _ in keep], [k for _, k in keep]
 
     # ------------------------------------------------------------------ load
-    def load(self, tokens, b: int, pages: dict, state_slot: int | None = None, salt=None) -> bool:
+    def load(self, tokens, b: int, pages: dict, state_slot: int | None = None, salt=None,
+             start: int = 0) -> bool:
         """Read what a request resuming at b needs (FULL pages of [0, b), SWA pages of the
         window before b, the MAMBA checkpoint at b) into the handles given in
         `pages[name]` (one per page; only the window's entries are used for SWA) and
-        `state_slot`. All or nothing: a missing or bad object writes nothing and returns
+        `state_slot`; pages below `start` (page-aligned: what the device already holds)
+        are skipped. All or nothing: a missing or bad object writes nothing and returns
         False (bad ones are counted)."""
-        if b % self.P:
-            raise ValueError(f"boundary {b} is not page-aligned ({self.P})")
+        if b % self.P or start % self.P:
+            raise ValueError(f"boundary {b} and start {start} must be page-aligned ({self.P})")
         self.counters["loads"] += 1
         ns = self._ns(salt)
         seed = ns.seed()
@@ -162,7 +167,7 @@ class L3Store:
         plan = []  # (pool or sidecar, handles, keys, is_sidecar)
         for c in self.comps:
             pool = self.cache.pools[c.index]
-            lo = c.window_start(b) // self.P
+            lo = max(c.window_start(b), start) // self.P
             hs = list(pages[c.name][lo:b // self.P])
             if len(hs) != b // self.P - lo or min(hs, default=0) < 0:
                 raise ValueError(f"{c.name}: need handles for pages [{lo}, {b // self.P})")

@@ -1,0 +1,271 @@
+"""The Redis backend: one Redis string per key, named `prefix + key`, holding the raw
+object bytes. Works with any server that speaks the Redis protocol (redis-server,
+Valkey). Engines that point at the same server and prefix share their L3.
+
+Batch calls go through one pipeline each (one round trip). A server that cannot be
+reached or does not answer within `socket_timeout` raises `StorageUnavailable` naming
+the URL; a per-key error reply to a SET (OOM under `maxmemory` with `noeviction`, a
+read-only replica) stores nothing for that key and reports False for it.
+
+L3 eviction belongs to the server: give it a `maxmemory` and an eviction policy
+(`allkeys-lru`, say) if it should drop old objects rather than refuse new ones.
+
+The `redis` package (redis-py) is imported only when a backend is built:
+`pip install redis` (or the `storage` extra) where this backend is used.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from urllib.parse import urlsplit, urlunsplit
+
+from ..storage import KEY_RE, StorageBackend, StorageUnavailable, check_key
+
+log = logging.getLogger("uniradix.hicache")
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_PREFIX = "uniradix:"
+ACCEPTED = ("url", "prefix", "socket_timeout")
+SCAN_COUNT = 1000    # keys per SCAN step in clear()
+DEL_BATCH = 1000     # keys per DEL in clear()
+
+
+def _redis_module():
+    try:
+        import redis  # the redis-py package (absolute import: not this module)
+    except ImportError as e:
+        raise ImportError("the redis storage backend needs the redis Python package: "
+                          "pip install redis  (or pip install 'uniradix[storage]')") from e
+    return redis
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ***, for messages and stats."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+class RedisBackend(StorageBackend):
+    """`url`: redis://[[user]:password@]host:port/db, rediss:// for TLS, or
+    unix:///path.sock?db=N. `prefix`: prepended to every key; `clear()` removes only
+    this prefix's keys, so engines can use separate prefixes on one server.
+    `socket_timeout`: seconds to wait for a connect or a reply before the call raises
+    `StorageUnavailable`."""
+
+    name = "redis"
+
+    def __init__(self, url: str = DEFAULT_URL, prefix: str = DEFAULT_PREFIX,
+                 socket_timeout: float = 2.0, **unknown) -> None:
+        if unknown:
+            raise ValueError(f"redis backend: unknown setting(s) {sorted(unknown)}; "
+                             f"it takes {', '.join(ACCEPTED)}")
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"redis backend: url must be a non-empty string, got {url!r}")
+        if not isinstance(prefix, str):
+            raise ValueError(f"redis backend: prefix must be a string, got {prefix!r}")
+        if (isinstance(socket_timeout, bool) or not isinstance(socket_timeout, (int, float))
+                or not socket_timeout > 0):
+            raise ValueError(f"redis backend: socket_timeout must be a positive number of "
+                             f"seconds, got {socket_timeout!r}")
+        redis = _redis_module()
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self.url = url
+        self.safe_url = redact_url(url)
+        self.prefix = prefix
+        self.socket_timeout = float(socket_timeout)
+        self._redis = redis
+        self._lock = threading.Lock()
+        self._closed = False
+        self.counters = dict.fromkeys(("gets", "hits", "sets", "set_failures", "errors",
+                                       "bytes_written", "bytes_read", "exists_calls", "deletes",
+                                       "bad_replies"), 0)
+        try:
+            # One retry, only for a dropped connection (a pooled socket the server closed,
+            # after a restart say); a timeout is never retried, so a call waits at most
+            # about socket_timeout per round trip.
+            self.pool = redis.ConnectionPool.from_url(
+                url, socket_timeout=self.socket_timeout, socket_connect_timeout=self.socket_timeout,
+                retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"redis backend: bad url {self.safe_url!r}: {e}") from e
+        self.client = redis.Redis(connection_pool=self.pool)
+        # Say early if the server is not there, but do not fail: the engine keeps serving
+        # without L3 (every call raises StorageUnavailable) and picks it up once it answers.
+        try:
+            self._call(self.client.ping)
+        except StorageUnavailable as e:
+            log.warning("%s; L3 calls fail until it answers", e)
+
+    # ------------------------------------------------------------------ plumbing
+    def _k(self, key: str) -> str:
+        return self.prefix + check_key(key)
+
+    def _count(self, **inc: int) -> None:
+        with self._lock:
+            for k, v in inc.items():
+                self.counters[k] += v
+
+    def _call(self, fn, *args):
+        """Run one client or pipeline call; no reply in time, or no connection, is
+        StorageUnavailable (counted)."""
+        if self._closed:
+            raise StorageUnavailable(f"redis backend at {self.safe_url} is closed")
+        exc = self._redis.exceptions
+        try:
+            return fn(*args)
+        except (exc.ConnectionError, exc.TimeoutError, OSError) as e:
+            self._count(errors=1)
+            what = "timed out" if isinstance(e, exc.TimeoutError) else "unreachable"
+            raise StorageUnavailable(f"redis backend: {self.safe_url} {what}: {e}") from e
+        except exc.RedisError as e:  # a protocol error or a refused command: not usable
+            self._count(errors=1)
+            raise StorageUnavailable(f"redis backend: {self.safe_url} failed: "
+                                     f"{type(e).__name__}: {e}") from e
+
+    def _pipeline(self, build) -> list:
+        """One round trip: `build(pipe)` queues the commands; per-command error replies
+        come back in place as exceptions."""
+        def run():
+            pipe = self.client.pipeline(transaction=False)
+            build(pipe)
+            return pipe.execute(raise_on_error=False)
+        return self._call(run)
+
+    # ------------------------------------------------------------------ the interface
+    def batch_exists(self, keys: list[str]) -> int:
+        names = [self._k(k) for k in keys]
+        self._count(exists_calls=1)
+        if not names:
+            return 0
+        replies = self._pipeline(lambda p: [p.exists(n) for n in names])
+        run = 0
+        for r in replies:
+            if isinstance(r, Exception):
+                self._count(bad_replies=1)
+                break
+            if not r:
+                break
+            run += 1
+        return run
+
+    def batch_get(self, keys: list[str]) -> list[bytes | None]:
+        names = [self._k(k) for k in keys]
+        if not names:
+            return []
+        replies = self._pipeline(lambda p: [p.get(n) for n in names])
+        out: list[bytes | None] = []
+        hits = nbytes = bad = 0
+        for n, r in zip(names, replies):
+            if isinstance(r, Exception) or (r is not None and not isinstance(r, bytes)):
+                # WRONGTYPE (someone else's value under our name) or the like: a miss.
+                log.warning("redis backend: reading %s from %s failed: %s", n, self.safe_url, r)
+                bad += 1
+                out.append(None)
+            elif r is None:
+                out.append(None)
+            else:
+                hits += 1
+                nbytes += len(r)
+                out.append(r)
+        self._count(gets=len(names), hits=hits, bytes_read=nbytes, bad_replies=bad)
+        return out
+
+    def batch_set(self, keys: list[str], values: list[bytes]) -> list[bool]:
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys but {len(values)} values")
+        names = [self._k(k) for k in keys]
+        vals = []
+        for v in values:
+            if isinstance(v, (bytearray, memoryview)):
+                v = bytes(v)
+            if not isinstance(v, bytes):
+                raise TypeError(f"redis backend stores bytes, got {type(v).__name__}")
+            vals.append(v)
+        if not names:
+            return []
+        try:
+            replies = self._pipeline(lambda p: [p.set(n, v) for n, v in zip(names, vals)])
+        except StorageUnavailable:
+            self._count(sets=len(names), set_failures=len(names))
+            raise
+        ok: list[bool] = []
+        nbytes = failed = 0
+        first_error = None
+        for v, r in zip(vals, replies):
+            if isinstance(r, Exception) or not r:
+                failed += 1
+                first_error = first_error or r
+                ok.append(False)
+            else:
+                nbytes += len(v)
+                ok.append(True)
+        self._count(sets=len(names), set_failures=failed, bytes_written=nbytes)
+        if failed:
+            log.warning("redis backend: %d of %d sets refused by %s: %s", failed, len(names),
+                        self.safe_url, first_error)
+        return ok
+
+    def delete(self, key: str) -> bool:
+        name = self._k(key)
+        n = self._call(self.client.delete, name)
+        self._count(deletes=1)
+        return bool(n)
+
+    def clear(self) -> None:
+        """Delete every key named prefix + a storage key (SCAN, then DEL in batches).
+        Keys of another prefix, even one that starts with this prefix, are left alone;
+        never FLUSHDB."""
+        pattern = _glob_escape(self.prefix) + "*"
+        plen = len(self.prefix)
+
+        def run():
+            batch: list[bytes] = []
+            for name in self.client.scan_iter(match=pattern, count=SCAN_COUNT):
+                try:
+                    rest = name[plen:].decode() if isinstance(name, bytes) else name[plen:]
+                except UnicodeDecodeError:
+                    continue
+                if not KEY_RE.match(rest):
+                    continue
+                batch.append(name)
+                if len(batch) >= DEL_BATCH:
+                    self.client.delete(*batch)
+                    batch.clear()
+            if batch:
+                self.client.delete(*batch)
+        self._call(run)
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self.counters)
+        return dict(out, backend=self.name, url=self.safe_url, prefix=self.prefix)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.pool.disconnect()
+        except Exception as e:  # noqa: BLE001 - closing must not raise
+            log.debug("redis backend: disconnect from %s: %s", self.safe_url, e)
+
+    def __repr__(self) -> str:
+        return f"RedisBackend(url={self.safe_url!r}, prefix={self.prefix!r})"
+
+
+def _glob_escape(s: str) -> str:
+    """Escape the characters Redis MATCH patterns treat specially."""
+    return "".join("\\" + c if c in "*?[]\\^" else c for c in s)

@@ -1,0 +1,168 @@
+"""Engines over one L3 store: what one wrote, a fresh one reuses, exactly; a store that
+fails, lies or fills up costs reuse, never a request or its correctness."""
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
+from engine_checks import check_exact, check_flush, check_ownership, check_work, greedy  # noqa: E402
+
+from uniradix.engine import Engine  # noqa: E402
+from uniradix.hicache import StorageBackend, StorageUnavailable  # noqa: E402
+from uniradix.hicache.backends.file import FileBackend  # noqa: E402
+from uniradix.tree.component import page_floor  # noqa: E402
+
+
+def engine(name, page, store, threshold=1, **kw):
+    return Engine(name, page_size=page, max_total_tokens=2048, storage=store,
+                  storage_prefetch_threshold=threshold, **kw)
+
+
+def conversation(eng, rng, turns=2, first=40, new=9, out=5):
+    """Turns of one conversation; returns the requests."""
+    ids, reqs = [rng.randrange(256) for _ in range(first)], []
+    for _ in range(turns):
+        r = greedy(ids, out)
+        eng.run([r])
+        check_exact(eng, r)
+        reqs.append(r)
+        ids = r.input_ids + r.output_ids + [rng.randrange(256) for _ in range(new)]
+    return reqs, ids
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "qwen3-next-like", "gpt-oss-like", "gemma3-like",
+                                  "jamba-like", "full-only"])
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_a_fresh_engine_reuses_what_another_wrote(tmp_path, name, page):
+    a = engine(name, page, FileBackend(str(tmp_path)))
+    reqs, nxt = conversation(a, random.Random(1))
+    assert a.stats()["storage_saved_objects"] > 0
+    b = engine(name, page, FileBackend(str(tmp_path)))  # nothing on its device
+    r = greedy(nxt, 5)
+    b.run([r])
+    check_exact(b, r)
+    check_work(r)
+    last = reqs[-1]
+    done = len(last.input_ids) + len(last.output_ids) - 1  # what engine a computed
+    assert r.metrics.cached_tokens == r.metrics.storage_tokens == page_floor(done, page)
+    check_ownership(b)
+    # b's own tree now holds it: the same prompt again is a device hit
+    again = greedy(nxt, 2)
+    b.run([again])
+    check_exact(b, again)
+    assert again.metrics.storage_tokens == 0 and again.metrics.cached_tokens >= r.metrics.cached_tokens
+    check_flush(b)
+
+
+def test_below_the_threshold_the_store_is_not_read(tmp_path):
+    a = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)))
+    _, nxt = conversation(a, random.Random(2), turns=1)
+    b = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)), threshold=1000)
+    r = greedy(nxt, 3)
+    b.run([r])
+    check_exact(b, r)
+    assert r.metrics.cached_tokens == 0 and b.stats()["storage_loads"] == 0
+
+
+def test_salts_and_models_do_not_share(tmp_path):
+    a = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)))
+    _, nxt = conversation(a, random.Random(3), turns=1)
+    b = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)))
+    r = greedy(nxt, 2)
+    r.salt = "tenant-2"
+    b.run([r])
+    assert r.metrics.cached_tokens == 0
+    same = greedy(nxt, 2)
+    b.run([same])
+    assert same.metrics.storage_tokens > 0  # without the salt it is there
+    d = Engine(a.cfg.with_(seed=7), page_size=4, max_total_tokens=2048,
+               storage=FileBackend(str(tmp_path)), storage_prefetch_threshold=1)
+    r2 = greedy(nxt, 2)
+    d.run([r2])
+    check_exact(d, r2)
+    assert r2.metrics.cached_tokens == 0  # other weights, other namespace
+
+
+class Down(StorageBackend):
+    """A store that is unreachable: every call fails."""
+
+    def _fail(self, *a):
+        raise StorageUnavailable("down")
+
+    batch_exists = batch_get = batch_set = delete = clear = _fail
+
+
+def test_a_store_that_is_down_costs_only_reuse():
+    eng = engine("tiny-hybrid", 4, Down())
+    reqs, _ = conversation(eng, random.Random(4), turns=3)
+    s = eng.stats()
+    assert s["storage_errors"] > 0 and s["finished"] == 3
+    assert reqs[-1].metrics.cached_tokens > 0  # the device cache still works
+    check_flush(eng)
+
+
+class GoesDown(FileBackend):
+    """Works, then fails mid-run."""
+
+    broken = False
+
+    def batch_get(self, keys):
+        if self.broken:
+            raise StorageUnavailable("gone")
+        return super().batch_get(keys)
+
+    def batch_exists(self, keys):
+        if self.broken:
+            raise StorageUnavailable("gone")
+        return super().batch_exists(keys)
+
+
+def test_a_store_that_fails_mid_run(tmp_path):
+    a = engine("jamba-like", 4, FileBackend(str(tmp_path)))
+    _, nxt = conversation(a, random.Random(5), turns=1)
+    store = GoesDown(str(tmp_path))
+    store.broken = True
+    b = engine("jamba-like", 4, store)
+    r = greedy(nxt, 3)
+    b.run([r])
+    check_exact(b, r)
+    assert r.metrics.cached_tokens == 0 and b.stats()["storage_errors"] >= 1
+    store.broken = False
+    r2 = greedy(nxt + [1, 2, 3, 4, 5], 3)
+    b.run([r2])
+    check_exact(b, r2)
+    assert r2.metrics.cached_tokens > 0
+
+
+def test_corrupt_and_truncated_objects_are_never_used(tmp_path):
+    a = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)))
+    _, nxt = conversation(a, random.Random(6), turns=1)
+    files = sorted(f for f in os.listdir(tmp_path) if "." not in f)  # FULL pages
+    for i, f in enumerate(files):
+        p = tmp_path / f
+        data = p.read_bytes()
+        p.write_bytes(data[:-3] if i % 2 else data[:-40] + bytes(40))  # truncated / zeroed
+    b = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)))
+    r = greedy(nxt, 4)
+    b.run([r])
+    check_exact(b, r)  # recomputed, exact
+    s = b.stats()
+    assert r.metrics.storage_tokens == 0 and s["storage_failed_loads"] == 1
+    assert b.l3.counters["corrupt"] == 1
+
+
+def test_a_full_disk_still_serves(tmp_path, monkeypatch):
+    store = FileBackend(str(tmp_path))
+
+    def full(tmp, value):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "_write", full)
+    eng = engine("gemma3-like", 4, store)
+    reqs, _ = conversation(eng, random.Random(7), turns=2)
+    assert store.stats()["set_failures"] > 0 and eng.stats()["storage_saved_objects"] == 0
+    assert reqs[-1].metrics.cached_tokens > 0
+    check_flush(eng)
