@@ -166,3 +166,25 @@ def test_a_full_disk_still_serves(tmp_path, monkeypatch):
     assert store.stats()["set_failures"] > 0 and eng.stats()["storage_saved_objects"] == 0
     assert reqs[-1].metrics.cached_tokens > 0
     check_flush(eng)
+
+
+@pytest.fixture(scope="module")
+def redis_url():
+    import redis_server  # tests/hicache: starts redis-server on 127.0.0.1, stops it by PID
+    with redis_server.redis_url() as url:
+        yield url
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "jamba-like", "gemma3-like"])
+def test_two_engines_over_one_redis(redis_url, name):
+    from uniradix.hicache.backends.redis import RedisBackend
+    prefix = f"two-engines-{name}:"
+    a = engine(name, 4, RedisBackend(redis_url, prefix=prefix))
+    reqs, nxt = conversation(a, random.Random(8))
+    b = engine(name, 4, RedisBackend(redis_url, prefix=prefix))
+    r = greedy(nxt, 4)
+    b.run([r])
+    check_exact(b, r)
+    last = reqs[-1]
+    assert r.metrics.storage_tokens == page_floor(len(last.input_ids) + len(last.output_ids) - 1, 4)
+    b.l3.backend.clear()
