@@ -33,7 +33,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="L3 shared storage: finished work is written through, deeper prefixes are loaded")
     g.add_argument("--hicache-storage-backend-extra-config", default=None,
                    help="backend settings as a JSON object or @file (path, url, prefix, ...; "
-                        "prefetch_threshold: tokens beyond the device hit worth a load, default 256)")
+                        "prefetch_threshold: tokens beyond the device hit worth a load, default 256; "
+                        "prefetch_timeout_base / _per_ki_token / _max in seconds, default 1 / 0.25 / 3)")
+    g.add_argument("--hicache-storage-prefetch-policy", default="best_effort",
+                   choices=["best_effort", "wait_complete", "timeout"],
+                   help="how long a request waits for its L3 read")
 
 
 def engine_from_args(a: argparse.Namespace):
@@ -41,13 +45,22 @@ def engine_from_args(a: argparse.Namespace):
     from .model import load_weights, preset
     cfg = preset(a.model_preset)
     weights = load_weights(cfg, a.model_path) if a.model_path else None
-    storage, threshold = None, 256
+    storage, prefetch = None, {}
     if a.hicache_storage_backend:
         from .hicache.backends import make_backend, parse_extra_config
         extra = parse_extra_config(a.hicache_storage_backend_extra_config)
-        threshold = int(extra.get("prefetch_threshold", threshold))
+        unknown = {k for k in extra if k.startswith("prefetch_")} - {
+            "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_timeout_max"}
+        if unknown:
+            raise ValueError(f"unknown prefetch setting(s) {sorted(unknown)}")
+        if "prefetch_threshold" in extra:
+            prefetch["storage_prefetch_threshold"] = int(extra["prefetch_threshold"])
+        for k in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_timeout_max"):
+            if k in extra:
+                prefetch[k] = float(extra[k])
         storage = make_backend(a.hicache_storage_backend, extra)
-    return Engine(cfg, weights=weights, storage=storage, storage_prefetch_threshold=threshold,
+    return Engine(cfg, weights=weights, storage=storage,
+                  storage_prefetch_policy=a.hicache_storage_prefetch_policy, **prefetch,
                   page_size=a.page_size, max_total_tokens=a.max_total_tokens,
                   swa_full_tokens_ratio=a.swa_full_tokens_ratio,
                   max_mamba_cache_size=a.max_mamba_cache_size,

@@ -188,3 +188,84 @@ def test_two_engines_over_one_redis(redis_url, name):
     last = reqs[-1]
     assert r.metrics.storage_tokens == page_floor(len(last.input_ids) + len(last.output_ids) - 1, 4)
     b.l3.backend.clear()
+
+
+class Gated(FileBackend):
+    """A store whose reads wait until the test opens the gate: a slow backend with no clock."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        import threading
+        self.gate = threading.Event()
+
+    def batch_get(self, keys):
+        self.gate.wait(30)
+        return super().batch_get(keys)
+
+
+def stored_conversation(tmp_path, name="jamba-like"):
+    a = engine(name, 4, FileBackend(str(tmp_path)))
+    _, nxt = conversation(a, random.Random(9), turns=1)
+    return nxt
+
+
+def test_timeout_policy_gives_up_and_computes_while_the_store_hangs(tmp_path):
+    nxt = stored_conversation(tmp_path)
+    store = Gated(str(tmp_path))
+    b = engine("jamba-like", 4, store, storage_prefetch_policy="timeout", prefetch_timeout_base=0.05,
+               prefetch_timeout_per_ki_token=0.0, prefetch_timeout_max=0.05)
+    try:
+        r = greedy(nxt, 3)
+        b.run([r])                      # returns although the read never finished
+        assert not store.gate.is_set()
+        check_exact(b, r)
+        assert r.metrics.storage_tokens == 0
+        assert b.stats()["storage_prefetch_abandoned"] == 1
+    finally:
+        store.gate.set()
+        b.close()
+    check_flush(b)
+
+
+def test_best_effort_never_holds_up_other_requests(tmp_path):
+    nxt = stored_conversation(tmp_path)
+    store = Gated(str(tmp_path))
+    b = engine("jamba-like", 4, store, storage_prefetch_policy="best_effort")
+    try:
+        other = greedy([5] * 30, 6)     # nothing stored for it
+        b.submit(other)
+        b.step()                        # other is running
+        r = greedy(nxt, 3)
+        b.run([r])
+        assert not store.gate.is_set()  # both served while the read hangs
+        for x in (other, r):
+            check_exact(b, x)
+        assert r.metrics.storage_tokens == 0
+    finally:
+        store.gate.set()
+        b.close()
+
+
+def test_wait_complete_waits_for_the_store(tmp_path):
+    import threading
+    nxt = stored_conversation(tmp_path)
+    store = Gated(str(tmp_path))
+    b = engine("jamba-like", 4, store, storage_prefetch_policy="wait_complete", prefetch_timeout_max=0.0)
+    opener = threading.Timer(0.2, store.gate.set)
+    opener.start()
+    try:
+        r = greedy(nxt, 3)
+        b.run([r])
+        check_exact(b, r)
+        assert r.metrics.storage_tokens > 0  # it waited past every timeout for the read
+    finally:
+        store.gate.set()
+        opener.join()
+        b.close()
+
+
+def test_prefetch_settings_are_checked():
+    with pytest.raises(ValueError, match="prefetch policy"):
+        Engine("tiny-hybrid", storage_prefetch_policy="eager")
+    with pytest.raises(ValueError, match="prefetch_timeout_base"):
+        Engine("tiny-hybrid", prefetch_timeout_base=-1)

@@ -24,6 +24,9 @@ from .request import Request
 from .sampling import sample
 
 
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
 class _Seq:
     """A request while the engine holds it (waiting or running)."""
 
@@ -51,17 +54,24 @@ class Engine:
     requests to the end.
 
     `storage`: a hicache StorageBackend shared with other engines (L3). Finished work
-    is written through to it; a request whose prefix the store holds at least
-    `storage_prefetch_threshold` tokens deeper than the device loads it (all or
-    nothing) instead of computing it. A store that fails costs only the reuse: the
-    request computes, the error is counted."""
+    is written through to it. A request that could resume at least
+    `storage_prefetch_threshold` tokens deeper than the device allows has the store
+    looked up and read on an I/O thread while the scheduler goes on; it waits as
+    `storage_prefetch_policy` says: "best_effort" (not at all: what has not arrived by
+    the next step is computed), "wait_complete" (until the read ends; the scheduler
+    blocks), "timeout" (up to min(max, base + per_ki_token * tokens / 1024) seconds).
+    The load is all or nothing. A store that fails costs only the reuse: the request
+    computes, the error is counted."""
 
     def __init__(self, config: HybridConfig | str = "tiny-hybrid", *, weights: dict | None = None,
                  page_size: int = 1, max_total_tokens: int = 16384, swa_full_tokens_ratio: float = 1.0,
                  max_mamba_cache_size: int | None = None, chunked_prefill_size: int = 256,
                  max_running_requests: int = 16, radix_eviction_policy: str = "lru",
                  disable_radix_cache: bool = False, device: str = "cpu",
-                 storage=None, storage_prefetch_threshold: int = 256, rank: int = 0) -> None:
+                 storage=None, storage_prefetch_threshold: int = 256,
+                 storage_prefetch_policy: str = "best_effort", prefetch_timeout_base: float = 1.0,
+                 prefetch_timeout_per_ki_token: float = 0.25, prefetch_timeout_max: float = 3.0,
+                 rank: int = 0) -> None:
         self.cfg = preset(config) if isinstance(config, str) else config
         if chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be at least 1, got {chunked_prefill_size}")
@@ -89,9 +99,21 @@ class Engine:
         self.running: list[_Seq] = []
         self.counters = dict(steps=0, finished=0, errors=0, preemptions=0, prefill_tokens=0,
                              cached_tokens=0, prompt_tokens=0, decode_tokens=0, checkpoints_skipped=0,
-                             storage_tokens=0, storage_loads=0, storage_failed_loads=0,
-                             storage_errors=0, storage_saved_objects=0)
+                             storage_tokens=0, storage_errors=0, storage_saved_objects=0, storage_prefetches=0,
+                             storage_prefetch_abandoned=0)
         self.l3 = None
+        self._io = None
+        self.prefetching: list = []
+        if storage_prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"unknown prefetch policy {storage_prefetch_policy!r}; "
+                             f"choose one of {', '.join(PREFETCH_POLICIES)}")
+        for name, v in (("base", prefetch_timeout_base), ("per_ki_token", prefetch_timeout_per_ki_token),
+                        ("max", prefetch_timeout_max)):
+            if v < 0:
+                raise ValueError(f"prefetch_timeout_{name} must be >= 0, got {v}")
+        self.prefetch_policy = storage_prefetch_policy
+        self.prefetch_timeouts = dict(base=prefetch_timeout_base, per_ki_token=prefetch_timeout_per_ki_token,
+                                      max=prefetch_timeout_max)
         if storage is not None:
             from ..hicache import StorageNamespace
             from ..hicache.l3 import L3Store
@@ -157,7 +179,7 @@ class Engine:
                 self.submit(r)
             if r.done and progress:
                 progress(r)
-        while self.waiting or self.running:
+        while self.waiting or self.running or self.prefetching:
             for r in self.step():
                 if progress:
                     progress(r)
@@ -174,8 +196,12 @@ class Engine:
         per decoding request), sample, and finish what is done. Returns the requests
         that finished (or failed) in this step."""
         done: list[Request] = []
+        if self.prefetching:
+            self._poll_prefetches()
         self._admit(done)
         batch = self._schedule(done)
+        if not batch and self.prefetching:
+            self._wait_for_prefetch()
         if batch:
             self.counters["steps"] += 1
             inputs = [inp for _, inp in batch]
@@ -186,7 +212,7 @@ class Engine:
 
     # ------------------------------------------------------------------ admission
     def _admit(self, done: list[Request]) -> None:
-        while self.waiting and len(self.running) < self.max_running:
+        while self.waiting and len(self.running) + len(self.prefetching) < self.max_running:
             seq = self.waiting[0]
             req = seq.req
             try:
@@ -200,32 +226,102 @@ class Engine:
                 continue
             self.waiting.popleft()
             seq.creq = creq
-            b = creq.prefix_len
-            if creq.state_slot is not None and b == 0:  # nothing to resume: start from zeros
+            if creq.state_slot is not None and creq.prefix_len == 0:  # nothing to resume: zeros
                 self.pools["mamba"].zero_slots([creq.state_slot])
-            if self.l3 is not None and self.use_cache:
-                b = self._from_storage(seq, creq)
-            seq.computed = b
-            seq.target = len(seq.tokens)
-            if req.status == "waiting":  # first admission (a preempted one comes back "preempted")
-                req.metrics.cached_tokens = b
-                req.metrics.storage_tokens = b - creq.prefix_len
-                self.counters["cached_tokens"] += b
-                self.counters["prompt_tokens"] += len(seq.tokens)
-            req.status = "running"
-            seq.capture = {}
-            P = self.page_size
-            # the same prompt sent again matches all but its last token: it resumes here
-            end = page_floor(seq.target - 1, P)
-            if self.use_cache and end > b and (self.has_window or self.has_state):
-                creq.resume_points.append(end)
-            if self.has_state and self.use_cache:
-                for pos in {page_floor(creq.matched, P), end}:
-                    if pos > b:
-                        slot = self._checkpoint(creq, pos)
-                        if slot is not None:
-                            seq.capture[pos] = slot
-            self.running.append(seq)
+            if self.l3 is not None and self.use_cache and \
+                    len(seq.tokens) - 1 - creq.prefix_len >= self.storage_threshold:
+                self._prefetch(seq)
+                continue
+            self._start(seq, creq.prefix_len)
+
+    def _start(self, seq: _Seq, b: int) -> None:
+        """The request resumes at b (its device boundary, or deeper from L3): running."""
+        req, creq = seq.req, seq.creq
+        seq.computed = b
+        seq.target = len(seq.tokens)
+        if req.status in ("waiting", "prefetching"):  # first admission, not a preempted one
+            req.metrics.cached_tokens = b
+            req.metrics.storage_tokens = b - creq.prefix_len
+            self.counters["cached_tokens"] += b
+            self.counters["prompt_tokens"] += len(seq.tokens)
+        req.status = "running"
+        seq.capture = {}
+        P = self.page_size
+        # the same prompt sent again matches all but its last token: it resumes here
+        end = page_floor(seq.target - 1, P)
+        if self.use_cache and end > b and (self.has_window or self.has_state):
+            creq.resume_points.append(end)
+        if self.has_state and self.use_cache:
+            for pos in {page_floor(creq.matched, P), end}:
+                if pos > b:
+                    slot = self._checkpoint(creq, pos)
+                    if slot is not None:
+                        seq.capture[pos] = slot
+        self.running.append(seq)
+
+    # ------------------------------------------------------------------ L3 prefetch
+    def _prefetch(self, seq: _Seq) -> None:
+        """Look the prefix up in L3 and read it on an I/O thread; the request waits (in
+        `prefetching`) as the policy says. Nothing touches the pools until it is applied."""
+        creq, req = seq.creq, seq.req
+        if self._io is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="uniradix-l3")
+        # the request's own pages and slot are its own until it starts: the thread may read them
+        fut = self._io.submit(self.l3.prefetch, seq.tokens[:-1], creq.prefix_len, creq.pages,
+                              creq.state_slot, req.salt, self.storage_threshold)
+        n = len(seq.tokens) - 1 - creq.prefix_len
+        p = self.prefetch_timeouts
+        deadline = time.perf_counter() + min(p["max"], p["base"] + p["per_ki_token"] * n / 1024)
+        if req.status == "waiting":
+            req.status = "prefetching"
+        self.prefetching.append((seq, fut, deadline))
+        self.counters["storage_prefetches"] += 1
+
+    def _poll_prefetches(self) -> None:
+        """Start the requests whose prefetch finished, failed, or ran out of patience."""
+        from ..hicache import StorageUnavailable
+        now = time.perf_counter()
+        keep = []
+        for seq, fut, deadline in self.prefetching:
+            if not fut.done():
+                if self.prefetch_policy == "wait_complete":
+                    fut.exception()  # blocks: this policy waits for the store
+                elif self.prefetch_policy == "timeout" and now < deadline:
+                    keep.append((seq, fut, deadline))
+                    continue
+                else:  # best_effort does not wait; timeout gave up: compute instead
+                    fut.cancel()
+                    self.counters["storage_prefetch_abandoned"] += 1
+                    self._start(seq, seq.creq.prefix_len)
+                    continue
+            creq = seq.creq
+            b = creq.prefix_len
+            try:
+                got = fut.result()
+            except StorageUnavailable:
+                self.counters["storage_errors"] += 1
+                got = None
+            if got is not None:
+                self.l3.apply(got)
+                self.cache.resumed_from(creq, got.b)
+                self.counters["storage_tokens"] += got.b - b
+                b = got.b
+            self._start(seq, b)
+        self.prefetching = keep
+
+    def _wait_for_prefetch(self) -> None:
+        """Nothing to compute: sleep until a prefetch finishes or the first deadline."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+        first = min(d for _, _, d in self.prefetching)
+        wait([f for _, f, _ in self.prefetching], timeout=max(0.0, first - time.perf_counter()),
+             return_when=FIRST_COMPLETED)
+
+    def close(self) -> None:
+        """Stop the I/O threads (the store itself belongs to the caller)."""
+        if self._io is not None:
+            self._io.shutdown(wait=True, cancel_futures=True)
+            self._io = None
 
     def _match(self, seq: _Seq) -> CachedRequest:
         """Match all but the last token, so at least one is computed and gives the
@@ -238,28 +334,6 @@ class Engine:
             self.cache.release(creq)
             raise
         return creq
-
-    def _from_storage(self, seq: _Seq, creq: CachedRequest) -> int:
-        """Extend the device boundary from L3 when the store holds enough more; returns
-        where the request resumes."""
-        from ..hicache import StorageUnavailable
-        b = creq.prefix_len
-        tokens, salt = seq.tokens[:-1], seq.req.salt
-        try:
-            h = self.l3.hit(tokens, salt)
-            if h - b < self.storage_threshold:
-                return b
-            self.counters["storage_loads"] += 1
-            ok = self.l3.load(tokens, h, creq.pages, creq.state_slot, salt, start=b)
-        except StorageUnavailable:
-            self.counters["storage_errors"] += 1
-            return b
-        if not ok:
-            self.counters["storage_failed_loads"] += 1
-            return b
-        self.cache.resumed_from(creq, h)
-        self.counters["storage_tokens"] += h - b
-        return h
 
     def _checkpoint(self, creq: CachedRequest, pos: int) -> int | None:
         """A slot to capture the state at pos; skipped (None) when the pool is short,
@@ -413,6 +487,10 @@ class Engine:
         c["waiting"] = len(self.waiting)
         c["running"] = len(self.running)
         c["cache"] = self.cache.stats()
+        if self.l3 is not None:
+            c["storage_loads"] = self.l3.counters["loads"]
+            c["storage_failed_loads"] = self.l3.counters["failed_loads"]
+            c["storage"] = self.l3.stats()
         return c
 
 

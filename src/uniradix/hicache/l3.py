@@ -7,11 +7,25 @@ MAMBA checkpoint at position (i+1)*P under k_i + ".mamba"; a sidecar's row under
 component's key with "_<sidecar>" added to the suffix (".full_scales" for FULL)."""
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
+
 from ..tree import encode
 from .codec import handle_nbytes, read_handles, read_sidecar_rows, write_handles, write_sidecar_rows
 from .keys import StorageNamespace, component_key, page_keys
 from .objects import CorruptObject, pack_object, unpack_object
 from .storage import StorageBackend
+
+
+@dataclass
+class Fetched:
+    """Checked objects for a load to [start, b), not yet written to the pools."""
+
+    b: int
+    start: int
+    plan: list
+    blobs: list
+    objects: int
 
 
 class L3Store:
@@ -30,6 +44,7 @@ class L3Store:
         self.ckpt = cache.ckpt
         self.counters = dict(saved_objects=0, loaded_objects=0, corrupt=0, failed_sets=0, loads=0,
                              failed_loads=0)
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ keys
     def _ns(self, salt) -> StorageNamespace:
@@ -112,8 +127,8 @@ class L3Store:
             return 0
         ok = self.backend.batch_set(out_k, out_v)
         n = sum(ok)
-        self.counters["saved_objects"] += n
-        self.counters["failed_sets"] += len(ok) - n
+        self._count("saved_objects", n)
+        self._count("failed_sets", len(ok) - n)
         return n
 
     def save_cached(self, tokens, salt=None) -> int:
@@ -156,9 +171,28 @@ class L3Store:
         `state_slot`; pages below `start` (page-aligned: what the device already holds)
         are skipped. All or nothing: a missing or bad object writes nothing and returns
         False (bad ones are counted)."""
+        got = self.fetch(tokens, b, pages, state_slot, salt, start)
+        if got is None:
+            return False
+        self.apply(got)
+        return True
+
+    def prefetch(self, tokens, start: int, pages: dict, state_slot: int | None, salt=None,
+                 threshold: int = 1) -> "Fetched | None":
+        """The I/O half of a load, safe to run on a background thread: find the store's
+        hit and, when it passes `start` by at least `threshold` tokens, read and check
+        everything from `start` to it. Nothing is written to the pools (see apply)."""
+        h = self.hit(tokens, salt)
+        if h - start < max(threshold, 1):
+            return None
+        return self.fetch(tokens, h, pages, state_slot, salt, start)
+
+    def fetch(self, tokens, b: int, pages: dict, state_slot: int | None = None, salt=None,
+              start: int = 0) -> "Fetched | None":
+        """Read and check the objects `load` would write; None when one is missing or bad."""
         if b % self.P or start % self.P:
             raise ValueError(f"boundary {b} and start {start} must be page-aligned ({self.P})")
-        self.counters["loads"] += 1
+        self._count("loads")
         ns = self._ns(salt)
         seed = ns.seed()
         keys = page_keys(tokens[:b], ns)
@@ -189,20 +223,27 @@ class L3Store:
                 i += len(ks)
         except CorruptObject as e:
             if e.reason != "absent":
-                self.counters["corrupt"] += 1
-            self.counters["failed_loads"] += 1
-            return False
+                self._count("corrupt")
+            self._count("failed_loads")
+            return None
         for (target, _, _, sidecar), bl in zip(plan, blobs):
             t = target.tensor if sidecar else None
             n = t[0].numel() * t.element_size() if sidecar else handle_nbytes(target)
             if any(len(x) != n for x in bl):  # a sound object from a differently shaped pool
-                self.counters["corrupt"] += 1
-                self.counters["failed_loads"] += 1
-                return False
-        for (target, hs, _, sidecar), bl in zip(plan, blobs):
+                self._count("corrupt")
+                self._count("failed_loads")
+                return None
+        return Fetched(b, start, plan, blobs, len(all_keys))
+
+    def apply(self, got: "Fetched") -> None:
+        """Write fetched data into the pools (on the thread that owns them)."""
+        for (target, hs, _, sidecar), bl in zip(got.plan, got.blobs):
             (write_sidecar_rows if sidecar else write_handles)(target, hs, bl)
-        self.counters["loaded_objects"] += len(all_keys)
-        return True
+        self._count("loaded_objects", got.objects)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
 
     def stats(self) -> dict:
         return dict(self.counters, backend=self.backend.stats())
