@@ -35,6 +35,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="backend settings as a JSON object or @file (path, url, prefix, ...; "
                         "prefetch_threshold: tokens beyond the device hit worth a load, default 256; "
                         "prefetch_timeout_base / _per_ki_token / _max in seconds, default 1 / 0.25 / 3)")
+    g.add_argument("--hicache-write-policy", default="write_through",
+                   choices=["write_through", "write_through_selective"],
+                   help="what finished work goes to L3: all, or what was reused --write-through-threshold times")
+    g.add_argument("--write-through-threshold", type=int, default=2,
+                   help="accesses before write_through_selective writes a prefix")
     g.add_argument("--hicache-storage-prefetch-policy", default="best_effort",
                    choices=["best_effort", "wait_complete", "timeout"],
                    help="how long a request waits for its L3 read")
@@ -61,6 +66,8 @@ def engine_from_args(a: argparse.Namespace):
         storage = make_backend(a.hicache_storage_backend, extra)
     return Engine(cfg, weights=weights, storage=storage,
                   storage_prefetch_policy=a.hicache_storage_prefetch_policy, **prefetch,
+                  hicache_write_policy=a.hicache_write_policy,
+                  write_through_threshold=a.write_through_threshold,
                   page_size=a.page_size, max_total_tokens=a.max_total_tokens,
                   swa_full_tokens_ratio=a.swa_full_tokens_ratio,
                   max_mamba_cache_size=a.max_mamba_cache_size,

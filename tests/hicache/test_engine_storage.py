@@ -269,3 +269,22 @@ def test_prefetch_settings_are_checked():
         Engine("tiny-hybrid", storage_prefetch_policy="eager")
     with pytest.raises(ValueError, match="prefetch_timeout_base"):
         Engine("tiny-hybrid", prefetch_timeout_base=-1)
+
+
+def test_selective_write_through_writes_what_is_reused(tmp_path):
+    store = FileBackend(str(tmp_path / "sel"))
+    eng = engine("tiny-hybrid", 4, store, hicache_write_policy="write_through_selective",
+                 write_through_threshold=2)
+    rng = random.Random(10)
+    once = [rng.randrange(256) for _ in range(40)]
+    eng.run([greedy(once, 3)])
+    assert eng.stats()["storage_saved_objects"] == 0  # seen once: stays on the device
+    eng.run([greedy(once, 3)])                        # reused: now it goes down
+    assert eng.stats()["storage_saved_objects"] > 0
+    fresh = engine("tiny-hybrid", 4, FileBackend(str(tmp_path / "sel")))
+    r = greedy(once, 2)
+    fresh.run([r])
+    check_exact(fresh, r)
+    assert r.metrics.storage_tokens == page_floor(len(once) - 1, 4)
+    with pytest.raises(ValueError, match="write policy"):
+        Engine("tiny-hybrid", hicache_write_policy="write_back")

@@ -25,6 +25,7 @@ from .sampling import sample
 
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+WRITE_POLICIES = ("write_through", "write_through_selective")  # write_back needs the host tier
 
 
 class _Seq:
@@ -61,7 +62,9 @@ class Engine:
     the next step is computed), "wait_complete" (until the read ends; the scheduler
     blocks), "timeout" (up to min(max, base + per_ki_token * tokens / 1024) seconds).
     The load is all or nothing. A store that fails costs only the reuse: the request
-    computes, the error is counted."""
+    computes, the error is counted. `hicache_write_policy` "write_through_selective"
+    writes only the part of a finished request's path the tree has accessed at least
+    `write_through_threshold` times."""
 
     def __init__(self, config: HybridConfig | str = "tiny-hybrid", *, weights: dict | None = None,
                  page_size: int = 1, max_total_tokens: int = 16384, swa_full_tokens_ratio: float = 1.0,
@@ -71,6 +74,7 @@ class Engine:
                  storage=None, storage_prefetch_threshold: int = 256,
                  storage_prefetch_policy: str = "best_effort", prefetch_timeout_base: float = 1.0,
                  prefetch_timeout_per_ki_token: float = 0.25, prefetch_timeout_max: float = 3.0,
+                 hicache_write_policy: str = "write_through", write_through_threshold: int = 2,
                  rank: int = 0) -> None:
         self.cfg = preset(config) if isinstance(config, str) else config
         if chunked_prefill_size < 1:
@@ -111,6 +115,12 @@ class Engine:
                         ("max", prefetch_timeout_max)):
             if v < 0:
                 raise ValueError(f"prefetch_timeout_{name} must be >= 0, got {v}")
+        if hicache_write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write policy {hicache_write_policy!r}; choose one of "
+                             f"{', '.join(WRITE_POLICIES)}")
+        if write_through_threshold < 1:
+            raise ValueError(f"write_through_threshold must be at least 1, got {write_through_threshold}")
+        self.write_min_hits = write_through_threshold if hicache_write_policy == "write_through_selective" else 0
         self.prefetch_policy = storage_prefetch_policy
         self.prefetch_timeouts = dict(base=prefetch_timeout_base, per_ki_token=prefetch_timeout_per_ki_token,
                                       max=prefetch_timeout_max)
@@ -467,7 +477,8 @@ class Engine:
     def _write_through(self, seq: _Seq) -> None:
         from ..hicache import StorageUnavailable
         try:
-            self.counters["storage_saved_objects"] += self.l3.save_cached(seq.tokens[:seq.computed], seq.req.salt)
+            self.counters["storage_saved_objects"] += self.l3.save_cached(
+                seq.tokens[:seq.computed], seq.req.salt, self.write_min_hits)
         except StorageUnavailable:
             self.counters["storage_errors"] += 1
 

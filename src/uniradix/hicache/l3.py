@@ -131,16 +131,18 @@ class L3Store:
         self._count("failed_sets", len(ok) - n)
         return n
 
-    def save_cached(self, tokens, salt=None) -> int:
+    def save_cached(self, tokens, salt=None, min_hits: int = 0) -> int:
         """Write what the cache's tree holds along `tokens` (every page still there,
         every checkpoint on the path) that the store lacks; the write-through of a
-        finished request. Returns the objects written."""
+        finished request. With `min_hits`, the path stops at the first node accessed
+        fewer times (selective write-through: only what is reused goes down). Returns
+        the objects written."""
         tree = self.cache.tree
         key = encode(list(tokens))
         nd, off, path = tree.root(salt), 0, []
         while True:  # whole nodes along tokens; read-only (a match would split and touch)
             ch = nd.children.get(key[off:off + tree.unit])
-            if ch is None or not key.startswith(ch.key, off):
+            if ch is None or not key.startswith(ch.key, off) or ch.hits < min_hits:
                 break
             path.append(ch)
             off += len(ch.key)
