@@ -288,3 +288,21 @@ def test_selective_write_through_writes_what_is_reused(tmp_path):
     assert r.metrics.storage_tokens == page_floor(len(once) - 1, 4)
     with pytest.raises(ValueError, match="write policy"):
         Engine("tiny-hybrid", hicache_write_policy="write_back")
+
+
+@pytest.mark.parametrize("policy", ["wait_complete", "best_effort"])
+def test_requests_waiting_behind_prefetches_are_not_refused(tmp_path, policy):
+    """Device pools that hold two conversations, eight clients: while the pages are held
+    by requests that are reading the store (not yet running), the next request waits;
+    it is not told it can never fit. Later rounds are served from L3."""
+    from uniradix.bench import MultiTurnWorkload, run_multiturn
+    eng = Engine("tiny-hybrid", page_size=16, max_total_tokens=1024, storage=FileBackend(str(tmp_path)),
+                 storage_prefetch_threshold=32, storage_prefetch_policy=policy)
+    wl = MultiTurnWorkload(clients=8, rounds=5, tokens_per_round=96, output_tokens=4, shared_prefix_tokens=0)
+    rounds = run_multiturn(eng, wl)
+    eng.close()
+    assert sum(r.errors for r in rounds) == 0
+    assert eng.stats()["storage_tokens"] > 0
+    if policy == "wait_complete":
+        assert rounds[-1].hit_rate > 0.7
+    check_flush(eng)

@@ -228,8 +228,8 @@ class Engine:
             try:
                 creq = self._match(seq)
             except CacheFull as e:
-                if self.running:
-                    return  # it waits for running requests to free their pages
+                if self.running or self.prefetching:
+                    return  # it waits for admitted requests to free their pages
                 self.waiting.popleft()
                 self._fail(req, f"request {req.rid} can never fit: {e}")
                 done.append(req)
@@ -385,7 +385,7 @@ class Engine:
             except CacheFull:
                 victim = next((s for s in reversed(self.running)
                                if s.creq.num_tokens <= s.computed), seq)
-                if victim is seq and len(self.running) == 1:
+                if victim is seq and len(self.running) == 1 and not self.prefetching:
                     self.running.remove(seq)
                     self._release(seq)
                     self._fail(seq.req, f"request {seq.req.rid} can never fit: the pools cannot "
