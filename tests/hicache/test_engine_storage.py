@@ -306,3 +306,24 @@ def test_requests_waiting_behind_prefetches_are_not_refused(tmp_path, policy):
     if policy == "wait_complete":
         assert rounds[-1].hit_rate > 0.7
     check_flush(eng)
+
+
+class Buggy(FileBackend):
+    """A backend with a bug: reads and writes raise something that is not StorageUnavailable."""
+
+    def batch_get(self, keys):
+        raise KeyError("bug in a user backend")
+
+    def batch_set(self, keys, values):
+        raise TypeError("another bug")
+
+
+def test_a_buggy_backend_does_not_take_the_engine_down(tmp_path):
+    a = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)))
+    _, nxt = conversation(a, random.Random(12), turns=1)
+    b = engine("tiny-hybrid", 4, Buggy(str(tmp_path)))
+    r = greedy(nxt, 3)
+    b.run([r])
+    check_exact(b, r)
+    assert r.metrics.storage_tokens == 0 and b.stats()["storage_errors"] == 2  # the read, the write
+    b.close()

@@ -10,6 +10,7 @@ again resumes) and, while decoding, at each page boundary; the SWA window before
 junction and the resume point is kept, so the tree can resume later requests there."""
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 
@@ -23,6 +24,8 @@ from .build import build_cache
 from .request import Request
 from .sampling import sample
 
+
+log = logging.getLogger("uniradix.engine")
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 WRITE_POLICIES = ("write_through", "write_through_selective")  # write_back needs the host tier
@@ -312,6 +315,10 @@ class Engine:
             except StorageUnavailable:
                 self.counters["storage_errors"] += 1
                 got = None
+            except Exception:  # a backend bug must not take the engine down: compute instead
+                log.exception("L3 prefetch for request %s failed", seq.req.rid)
+                self.counters["storage_errors"] += 1
+                got = None
             if got is not None:
                 self.l3.apply(got)
                 self.cache.resumed_from(creq, got.b)
@@ -480,6 +487,9 @@ class Engine:
             self.counters["storage_saved_objects"] += self.l3.save_cached(
                 seq.tokens[:seq.computed], seq.req.salt, self.write_min_hits)
         except StorageUnavailable:
+            self.counters["storage_errors"] += 1
+        except Exception:  # the request is cached and done; the store only missed a write
+            log.exception("L3 write-through for request %s failed", seq.req.rid)
             self.counters["storage_errors"] += 1
 
     def _release(self, seq: _Seq) -> None:
