@@ -35,18 +35,21 @@ class FileBackend(StorageBackend):
     def _file(self, key: str) -> str:
         return os.path.join(self.path, check_key(key))
 
+    def _files(self, keys: list[str]) -> list[str]:
+        """Every key checked before any I/O: a bad key in a batch touches nothing."""
+        return [self._file(k) for k in keys]
+
     def batch_exists(self, keys: list[str]) -> int:
         n = 0
-        for k in keys:
-            if not os.path.exists(self._file(k)):
+        for f in self._files(keys):
+            if not os.path.exists(f):
                 break
             n += 1
         return n
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         out = []
-        for k in keys:
-            f = self._file(k)
+        for f in self._files(keys):
             self.counters["gets"] += 1
             try:
                 with open(f, "rb") as fh:
@@ -69,10 +72,10 @@ class FileBackend(StorageBackend):
     def batch_set(self, keys: list[str], values: list[bytes]) -> list[bool]:
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
-        return [self._set(k, v) for k, v in zip(keys, values)]
+        files = self._files(keys)
+        return [self._set(k, f, v) for k, f, v in zip(keys, files, values)]
 
-    def _set(self, key: str, value: bytes) -> bool:
-        f = self._file(key)
+    def _set(self, key: str, f: str, value: bytes) -> bool:
         tmp = os.path.join(self.path, f".{key[:16]}.{uuid.uuid4().hex}.tmp")
         self.counters["sets"] += 1
         try:

@@ -1,0 +1,234 @@
+"""The StorageBackend contract on every backend kind (file, redis, mooncake; see
+backend_contract.py): byte-exact round trips, zero-length values, order and misses,
+leading-run exists, replace, delete, clear by prefix, sharing between instances and
+threads, the counters, close, and bad keys. What only one backend does (a server killed
+mid-run, maxmemory, leases, settings) is tested in its own file."""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+from backend_contract import BAD_KEYS, KINDS, key, keys, open_store
+
+from uniradix.hicache.storage import StorageUnavailable
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def store(request):
+    s = open_store(request.param, request)
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def backend(store, request):
+    """The test's backend; what the test made is closed, and the store cleaned, after."""
+    gap = store.known_gaps.get(request.node.originalname)
+    if gap:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=gap))
+    try:
+        yield store.backend()
+    finally:
+        store.finish()
+
+
+# --------------------------------------------------------------------------- round trips
+def test_round_trip_is_byte_exact(backend):
+    rng = random.Random(1)
+    values = [b"x", rng.randbytes(1 << 20), b"\x00\r\n$-1\r\n*0\r\n\xff" * 3, bytes(range(256)),
+              rng.randbytes((1 << 20) + 7), b"\x00" * 4096, b"\0\1\2"]
+    ks = keys(len(values), ns="rt")
+    assert backend.batch_set(ks, values) == [True] * len(values)
+    got = backend.batch_get(ks)
+    assert [type(g) for g in got] == [bytes] * len(values)
+    assert got == values
+
+
+def test_zero_length_values(store, backend):
+    ks = keys(3, ns="empty")
+    before = backend.stats()
+    ok = backend.batch_set(ks, [b"", b"y", bytearray()])
+    got = backend.batch_get(ks)
+    if store.empty_stored:   # stored, not a miss
+        assert ok == [True] * 3
+        assert got == [b"", b"y", b""] and [type(g) for g in got] == [bytes] * 3
+        assert backend.batch_exists(ks) == 3
+    else:                    # refused per key, not an error
+        assert ok == [False, True, False]
+        assert got == [None, b"y", None]
+        assert backend.batch_exists(ks) == 0 and backend.batch_exists(ks[1:2]) == 1
+    after = backend.stats()
+    assert after["sets"] - before["sets"] == 3
+    assert after["set_failures"] - before["set_failures"] == ok.count(False)
+    assert after["errors"] == before["errors"]
+
+
+def test_many_keys_keep_order_and_misses_are_none(store, backend):
+    rng = random.Random(2)
+    ks = keys(300, ns="many") + keys(300, suffix="swa", ns="many") + keys(100, suffix="mamba_3", ns="many")
+    smallest = 0 if store.empty_stored else 1
+    values = [rng.randbytes(rng.randrange(smallest, 3000)) for _ in ks]
+    assert all(backend.batch_set(ks, values))
+    absent = keys(50, start=10_000, ns="many")
+    query = [k for pair in zip(ks, absent) for k in pair] + ks[50:]
+    want = dict(zip(ks, values))
+    assert backend.batch_get(query) == [want.get(k) for k in query]
+    assert backend.batch_get([]) == [] and backend.batch_set([], []) == []
+
+
+def test_bytearray_and_memoryview_values(backend):
+    ks = keys(2, ns="bv")
+    assert backend.batch_set(ks, [bytearray(b"ab"), memoryview(b"xcdx")[1:3]]) == [True, True]
+    assert backend.batch_get(ks) == [b"ab", b"cd"]
+    with pytest.raises(TypeError, match="bytes"):
+        backend.batch_set(keys(1, ns="bv2"), ["text"])
+    with pytest.raises(ValueError, match="2 keys but 1 values"):
+        backend.batch_set(keys(2, ns="bv2"), [b"x"])
+
+
+# --------------------------------------------------------------------------- exists
+def test_batch_exists_is_the_leading_run(backend):
+    ks = keys(10, ns="ex")
+    assert backend.batch_exists(ks) == 0                       # none
+    assert backend.batch_exists([]) == 0
+    backend.batch_set(ks, [b"v"] * 10)
+    assert backend.batch_exists(ks) == 10                      # all
+    backend.delete(ks[4])
+    assert backend.batch_exists(ks) == 4                       # absent in the middle
+    assert backend.batch_exists(ks[5:]) == 5                   # the rest is there
+    assert backend.batch_exists([key(999, ns="ex")] + ks[:3]) == 0      # first absent
+    assert backend.batch_exists(ks[:3] + [key(999, ns="ex")] + ks[5:]) == 3
+
+
+# --------------------------------------------------------------------------- set, delete
+def test_set_replaces(store, backend):
+    k = [key(7, ns="rep")]
+    assert backend.batch_set(k, [b"old value, longer"]) == [True]
+    assert backend.batch_get(k) == [b"old value, longer"]   # a read (in Mooncake: a lease)
+    assert backend.batch_set(k, [b"new"]) == [True]
+    assert backend.batch_get(k) == [b"new"]
+    # within one batch the last value for a key wins
+    k2 = key(8, ns="rep")
+    assert backend.batch_set([k2, k[0], k2], [b"first", b"mid", b"last"]) == [True] * 3
+    assert backend.batch_get([k2, k[0]]) == [b"last", b"mid"]
+    if store.empty_stored:
+        assert backend.batch_set(k, [b""]) == [True]
+        assert backend.batch_get(k) == [b""]
+
+
+def test_delete(backend):
+    ks = keys(3, ns="del")
+    backend.batch_set(ks, [b"a", b"b", b"c"])
+    assert backend.batch_get(ks) == [b"a", b"b", b"c"]   # (Mooncake: leases held, delete works)
+    assert backend.delete(ks[1]) is True
+    assert backend.delete(ks[1]) is False
+    assert backend.delete(key(12345, ns="del")) is False
+    assert backend.batch_get(ks) == [b"a", None, b"c"]
+
+
+# --------------------------------------------------------------------------- clear, sharing
+def test_clear_removes_only_its_own_prefix(store, backend):
+    # The prefix has characters a glob or regex must escape; "<prefix>sub:" starts with
+    # it but is another prefix; the lookalike would match an unescaped pattern; and
+    # "<prefix>not-a-key" is not a storage key. Those are other writers' objects, put
+    # straight into the store; `backend` has another prefix on the same store.
+    p, n = store.clear_prefix, store.clear_n
+    a = store.make(p)
+    mine, mine_x, theirs = keys(n, ns="cl"), keys(5, suffix="x", ns="cl"), keys(20, ns="cl")
+    assert all(a.batch_set(mine + mine_x, [b"a"] * (n + 5)))
+    assert all(backend.batch_set(theirs, [b"s"] * 20))
+    foreign = [q + k for q in (p + "sub:", store.lookalike) for k in theirs] + [p + "not-a-key"]
+    store.raw_put(a, foreign, b"f")
+    try:
+        a.clear()
+        assert a.batch_exists(mine) == 0
+        assert a.batch_get(mine_x) == [None] * 5
+        assert backend.batch_get(theirs) == [b"s"] * 20
+        assert store.raw_get(a, foreign) == [b"f"] * len(foreign)
+        a.clear()   # clearing nothing is fine
+        backend.clear()
+        assert backend.batch_exists(theirs) == 0
+        assert store.raw_get(a, foreign) == [b"f"] * len(foreign)
+    finally:
+        store.raw_remove(a, foreign)
+
+
+def test_two_instances_share_the_store(store, backend):
+    e2 = store.twin(backend)
+    rng = random.Random(3)
+    values = [rng.randbytes(4096) for _ in range(8)] + [rng.randbytes(1 << 20)]
+    ks = keys(9, ns="share")
+    assert all(backend.batch_set(ks, values))
+    assert e2.batch_exists(ks) == 9
+    assert e2.batch_get(ks) == values
+    assert e2.batch_set(ks[:1], [b"from e2"]) == [True]
+    assert backend.batch_get(ks[:1]) == [b"from e2"]
+    assert e2.delete(ks[0])
+    assert backend.batch_exists(ks) == 0 and backend.batch_exists(ks[1:]) == 8
+    e2.clear()
+    assert backend.batch_get(ks) == [None] * 9
+
+
+def test_threads_share_one_backend(backend):
+    errors = []
+    before = backend.stats()
+
+    def work(t):
+        try:
+            ks = keys(50, start=1000 * t, ns="thr")
+            vals = [f"{t}:{i}".encode() for i in range(50)]
+            for _ in range(5):
+                assert all(backend.batch_set(ks, vals))
+                assert backend.batch_get(ks) == vals
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads)
+    assert not errors
+    st = backend.stats()
+    assert st["sets"] - before["sets"] == st["gets"] - before["gets"] == 4 * 5 * 50
+    assert st["hits"] - before["hits"] == 4 * 5 * 50
+
+
+# --------------------------------------------------------------------------- counters, close
+def test_counters_then_close(store, backend):
+    b = store.make()   # a new backend: its counters start at zero
+    assert {k: b.stats()[k] for k in store.counters} == dict.fromkeys(store.counters, 0)
+    ks = keys(5, ns="cnt")
+    b.batch_set(ks[:3], [b"ab", b"", b"cdef"])
+    b.batch_get(ks)
+    b.batch_exists(ks)
+    b.delete(ks[0])
+    st = b.stats()
+    empty = 1 if store.empty_stored else 0
+    want = {"gets": 5, "hits": 2 + empty, "sets": 3, "set_failures": 1 - empty, "errors": 0,
+            "bytes_written": 6, "bytes_read": 6, "exists_calls": 1, "deletes": 1}
+    assert {k: st[k] for k in store.counters} == {k: want[k] for k in store.counters}
+    ident = store.identity(b)
+    assert {k: st[k] for k in ident} == ident
+    b.clear()
+    b.close()
+    b.close()   # twice is fine
+    if store.closes:
+        for call in (lambda: b.batch_get(keys(1)), lambda: b.batch_exists(keys(1))):
+            with pytest.raises(StorageUnavailable, match="closed"):
+                call()
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("bad", BAD_KEYS)
+def test_bad_keys_are_rejected_before_any_io(backend, bad):
+    good = key(1, ns="bad")
+    with pytest.raises(ValueError, match="not a storage key"):
+        backend.batch_set([good, bad], [b"x", b"y"])
+    assert backend.batch_get([good]) == [None]   # nothing of the batch was written
+    for call in (lambda: backend.batch_exists([good, bad]), lambda: backend.batch_get([bad]),
+                 lambda: backend.delete(bad)):
+        with pytest.raises(ValueError, match="not a storage key"):
+            call()
