@@ -73,14 +73,9 @@ def check_work(req: Request) -> None:
 # --------------------------------------------------------------------------- ownership
 def tree_nodes(tree):
     """Every attached node under every root (roots excluded), with a structure check."""
-    out = []
-    for root in tree.roots.values():
-        stack = list(root.children.values())
-        while stack:
-            nd = stack.pop()
-            assert nd.attached, nd
-            out.append(nd)
-            stack.extend(nd.children.values())
+    out = tree.nodes()
+    for nd in out:
+        assert nd.attached, nd
     return out
 
 

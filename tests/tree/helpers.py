@@ -35,14 +35,7 @@ class SecondSWAComponent(SWAComponent):
 # --------------------------------------------------------------------------- tree walking
 def all_nodes(tree):
     """Every attached node (roots excluded), depth first."""
-    out = []
-    for root in tree.roots.values():
-        stack = list(root.children.values())
-        while stack:
-            nd = stack.pop()
-            out.append(nd)
-            stack.extend(nd.children.values())
-    return out
+    return tree.nodes()
 
 
 def node_tokens(nd) -> list[int]:

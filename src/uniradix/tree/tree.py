@@ -570,6 +570,18 @@ class RadixTree:
                 self._prune_up(parent, outs)
 
     # ------------------------------------------------------------------ reporting
+    def nodes(self) -> list[Node]:
+        """Every node under every root (roots excluded), depth first: for audits,
+        statistics and tests, not the hot path."""
+        out = []
+        for root in self.roots.values():
+            stack = list(root.children.values())
+            while stack:
+                nd = stack.pop()
+                out.append(nd)
+                stack.extend(nd.children.values())
+        return out
+
     def stats(self) -> dict:
         return {
             "nodes": self.num_nodes,
