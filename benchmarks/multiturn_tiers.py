@@ -53,6 +53,7 @@ def plot(results: dict, path: str, title: str) -> None:
         ax.legend()
     fig.suptitle(title)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
 
 
