@@ -327,3 +327,30 @@ def test_a_buggy_backend_does_not_take_the_engine_down(tmp_path):
     check_exact(b, r)
     assert r.metrics.storage_tokens == 0 and b.stats()["storage_errors"] == 2  # the read, the write
     b.close()
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "qwen3-next-like", "gemma3-like", "full-only"])
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_conversations_under_pressure_over_l3_stay_exact(tmp_path, name, page):
+    """Six conversations on device pools that hold about two: turns come back from L3,
+    requests wait, are preempted and evicted, and every token stays exact."""
+    eng = Engine(name, page_size=page, max_total_tokens=320, max_mamba_cache_size=24,
+                 storage=FileBackend(str(tmp_path)), storage_prefetch_threshold=page,
+                 storage_prefetch_policy="wait_complete")
+    rng = random.Random(13)
+    convs = [[rng.randrange(256) for _ in range(30)] for _ in range(6)]
+    from_store = 0
+    for _ in range(3):
+        reqs = [greedy(c, 4) for c in convs]
+        eng.run(reqs)
+        for r in reqs:
+            check_exact(eng, r)
+            check_work(r)
+            from_store += r.metrics.storage_tokens
+        check_ownership(eng)
+        convs = [r.input_ids + r.output_ids + [rng.randrange(256) for _ in range(12)] for r in reqs]
+    eng.close()
+    s = eng.stats()
+    assert from_store > 0 and s["errors"] == 0
+    assert s["preemptions"] > 0 and s["cache"]["components"]["full"]["evicted"] > 0
+    check_flush(eng)
