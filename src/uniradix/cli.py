@@ -112,9 +112,12 @@ def cmd_run(a: argparse.Namespace) -> int:
     if not a.no_progress:
         from tqdm import tqdm
         bar = tqdm(total=wl.requests, desc="requests", unit="req", file=sys.stderr, leave=False)
-    reports = run_multiturn(engine, wl, (lambda r: bar.update(1)) if bar else None)
-    if bar:
-        bar.close()
+    try:
+        reports = run_multiturn(engine, wl, (lambda r: bar.update(1)) if bar else None)
+    finally:
+        engine.close()
+        if bar:
+            bar.close()
     if a.json:
         print(json.dumps({"rounds": [r.as_dict() for r in reports], "engine": _plain(engine.stats())}))
         return 0
