@@ -255,29 +255,19 @@ class UnifiedRadixCache:
 
     def release_out_of_window(self, req: CachedRequest, upto: int | None = None) -> int:
         """Free the request's own SWA pages that fell out of the window, except the
-        windows at its junction and resume points; returns how many were freed. The window kept is the one
-        ending at the page-aligned end (what the tree will cache), which also covers the
-        window that decoding still reads. `upto` (default: all its tokens) is how far the
-        request has computed, for a chunked prefill whose later chunks still read the
-        window before them."""
-        freed = 0
+        windows at its junction and resume points; returns how many were freed. The
+        window kept is the one ending at the page-aligned end (what the tree will cache),
+        which also covers the window that decoding still reads. `upto` (default: all its
+        tokens) is how far the request has computed, for a chunked prefill whose later
+        chunks still read the window before them."""
         P = self.page_size
         end = page_floor(req.num_tokens if upto is None else min(upto, req.num_tokens), P)
+        freed = 0
         mark = None
         for c in self.windowed:
-            pages = req.pages[c.name]
             stop = c.window_start(end) // P
             kept = [(c.window_start(j) // P, j // P) for j in (req.matched, *req.resume_points)]
-            start = max(req.window_freed, req.prefix_len // P)
-            out = array("i")
-            for p in range(start, min(stop, len(pages))):
-                h = pages[p]
-                if h >= 0 and not any(lo <= p < hi for lo, hi in kept):
-                    out.append(h)
-                    pages[p] = -1
-            if out:
-                self.pools[c.index].free(out)
-                freed += len(out)
+            freed += self._free_own(req, c, max(req.window_freed, req.prefix_len // P), stop, kept)
             mark = stop if mark is None else min(mark, stop)
         if mark is not None and mark > req.window_freed:
             req.window_freed = mark
@@ -291,21 +281,26 @@ class UnifiedRadixCache:
         P = self.page_size
         if upto % P or upto < req.prefix_len or upto > req.num_tokens:
             raise ValueError(f"cannot resume at {upto}: prefix {req.prefix_len}, {req.num_tokens} tokens, page {P}")
-        freed = 0
-        for c in self.windowed:
-            pages = req.pages[c.name]
-            out = array("i")
-            for p in range(req.prefix_len // P, c.window_start(upto) // P):
-                if pages[p] >= 0:
-                    out.append(pages[p])
-                    pages[p] = -1
-            if out:
-                self.pools[c.index].free(out)
-                freed += len(out)
+        freed = sum(self._free_own(req, c, req.prefix_len // P, c.window_start(upto) // P, ())
+                    for c in self.windowed)
         req.cached_tokens = upto
         if req.state_slot is not None:
             req.state_len = upto
         return freed
+
+    def _free_own(self, req: CachedRequest, c, start: int, stop: int, kept) -> int:
+        """Free the request's present pages of component c in pages [start, stop), except
+        those inside a kept (lo, hi) page range; they become -1."""
+        pages = req.pages[c.name]
+        out = array("i")
+        for p in range(start, min(stop, len(pages))):
+            h = pages[p]
+            if h >= 0 and not any(lo <= p < hi for lo, hi in kept):
+                out.append(h)
+                pages[p] = -1
+        if out:
+            self.pools[c.index].free(out)
+        return len(out)
 
     def cache_unfinished(self, req: CachedRequest, checkpoints: dict[int, int] | None = None) -> None:
         """Insert what the running request has so far; it keeps going on the tree's copy."""

@@ -6,13 +6,18 @@ Imported as a plain module: pytest puts tests/engine on sys.path for its test fi
 from __future__ import annotations
 
 import random
+import sys
 from collections import Counter
+from pathlib import Path
 
 import torch
 
 from uniradix.engine import Engine, Request, SamplingParams
 from uniradix.model import PRESETS, reference_forward
 from uniradix.tree.component import page_floor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tree"))
+from helpers import held  # noqa: E402  (tests/tree: handles the tree holds, per component)
 
 PRESET_NAMES = list(PRESETS)
 PAGE_SIZES = (1, 4, 16)
@@ -80,13 +85,8 @@ def tree_nodes(tree):
 
 
 def tree_handles(tree) -> dict[str, Counter]:
-    held = {c.name: Counter() for c in tree.components}
-    for nd in tree_nodes(tree):
-        for c in tree.components:
-            v = nd.value[c.index]
-            if v is not None:
-                held[c.name].update(int(h) for h in v)
-    return held
+    tree_nodes(tree)  # the structure check
+    return held(tree)
 
 
 def _request_handles(engine: Engine):

@@ -21,7 +21,7 @@ from ..model import ByteTokenizer, HybridConfig, init_weights, preset
 from ..model.paged import PagedInput, paged_forward
 from ..tree.component import page_floor
 from .build import build_cache
-from .request import Request
+from .request import Request, SamplingParams
 from .sampling import sample
 
 
@@ -200,7 +200,6 @@ class Engine:
 
     def generate(self, input_ids=None, text=None, **sampling) -> Request:
         """One request, run to the end (a convenience for scripts and tests)."""
-        from .request import SamplingParams
         req = Request(input_ids=input_ids, text=text, sampling=SamplingParams(**sampling))
         return self.run([req])[0]
 
@@ -468,10 +467,16 @@ class Engine:
         self.counters["finished"] += 1
         done.append(req)
 
-    def _store(self, seq: _Seq, session_id=None) -> None:
-        """Hand the sequence's computed tokens to the tree (or free them with the cache off)."""
+    @staticmethod
+    def _detach(seq: _Seq) -> CachedRequest:
+        """The sequence gives up its cache request (finished, preempted or failed)."""
         creq = seq.creq
         seq.creq, seq.capture, seq.tail = None, {}, None
+        return creq
+
+    def _store(self, seq: _Seq, session_id=None) -> None:
+        """Hand the sequence's computed tokens to the tree (or free them with the cache off)."""
+        creq = self._detach(seq)
         if self.use_cache:
             if creq.num_tokens < seq.computed:  # their pages are there: no allocation
                 self.cache.append_tokens(creq, seq.tokens[creq.num_tokens:seq.computed])
@@ -493,9 +498,7 @@ class Engine:
             self.counters["storage_errors"] += 1
 
     def _release(self, seq: _Seq) -> None:
-        creq = seq.creq
-        seq.creq, seq.capture, seq.tail = None, {}, None
-        self.cache.release(creq)
+        self.cache.release(self._detach(seq))
 
     # ------------------------------------------------------------------ admin
     def close_session(self, session_id) -> bool:

@@ -11,7 +11,8 @@ import threading
 from dataclasses import dataclass
 
 from ..tree import encode
-from .codec import handle_nbytes, read_handles, read_sidecar_rows, write_handles, write_sidecar_rows
+from .codec import (handle_nbytes, read_handles, read_sidecar_rows, sidecar_row_nbytes, write_handles,
+                    write_sidecar_rows)
 from .keys import StorageNamespace, component_key, page_keys
 from .objects import CorruptObject, pack_object, unpack_object
 from .storage import StorageBackend
@@ -64,7 +65,9 @@ class L3Store:
     def hit(self, tokens, salt=None) -> int:
         """The deepest page-aligned boundary b such that the store has FULL pages of
         [0, b), the SWA pages of the window before b, and a MAMBA checkpoint at b."""
-        keys = page_keys(tokens, self._ns(salt))
+        return self._hit(page_keys(tokens, self._ns(salt)))
+
+    def _hit(self, keys: list[str]) -> int:
         b_pages = self.backend.batch_exists(keys)
         while b_pages > 0:
             b = b_pages * self.P
@@ -184,20 +187,23 @@ class L3Store:
         """The I/O half of a load, safe to run on a background thread: find the store's
         hit and, when it passes `start` by at least `threshold` tokens, read and check
         everything from `start` to it. Nothing is written to the pools (see apply)."""
-        h = self.hit(tokens, salt)
+        keys = page_keys(tokens, self._ns(salt))  # hashed once for the hit and the read
+        h = self._hit(keys)
         if h - start < max(threshold, 1):
             return None
-        return self.fetch(tokens, h, pages, state_slot, salt, start)
+        return self.fetch(tokens, h, pages, state_slot, salt, start, keys[:h // self.P])
 
     def fetch(self, tokens, b: int, pages: dict, state_slot: int | None = None, salt=None,
-              start: int = 0) -> "Fetched | None":
-        """Read and check the objects `load` would write; None when one is missing or bad."""
+              start: int = 0, keys: list[str] | None = None) -> "Fetched | None":
+        """Read and check the objects `load` would write; None when one is missing or bad.
+        `keys`: the page keys of tokens[:b], when the caller has them."""
         if b % self.P or start % self.P:
             raise ValueError(f"boundary {b} and start {start} must be page-aligned ({self.P})")
         self._count("loads")
         ns = self._ns(salt)
         seed = ns.seed()
-        keys = page_keys(tokens[:b], ns)
+        if keys is None:
+            keys = page_keys(tokens[:b], ns)
         if len(keys) * self.P != b:
             raise ValueError(f"{len(tokens)} tokens cannot resume at {b}")
         plan = []  # (pool or sidecar, handles, keys, is_sidecar)
@@ -229,8 +235,7 @@ class L3Store:
             self._count("failed_loads")
             return None
         for (target, _, _, sidecar), bl in zip(plan, blobs):
-            t = target.tensor if sidecar else None
-            n = t[0].numel() * t.element_size() if sidecar else handle_nbytes(target)
+            n = sidecar_row_nbytes(target) if sidecar else handle_nbytes(target)
             if any(len(x) != n for x in bl):  # a sound object from a differently shaped pool
                 self._count("corrupt")
                 self._count("failed_loads")
