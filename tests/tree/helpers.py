@@ -74,8 +74,8 @@ def check_structure(tree) -> None:
                         assert len(v) == (ch.end - ch.start) // P, (c.name, ch)
                     assert all(h >= 0 for h in v)
                     size[c.index] += len(v)
-                # FULL is structural: never absent on an attached node
-                assert ch.value[0] is not None, ch
+                # FULL is structural: never absent on an attached node (in some tier)
+                assert ch.value[0] is not None or ch.host[0] is not None, ch
                 stack.append(ch)
     assert size == list(tree.size), (size, tree.size)
     assert count == tree.num_nodes
@@ -129,9 +129,10 @@ def brute_matched(tree, tokens, salt=None):
     return best, best_leaf
 
 
-def per_page(tree, tokens, salt=None):
+def per_page(tree, tokens, salt=None, either_tier: bool = False):
     """(matched, {component name: per-page handle or None for pages in [0, matched)},
-    {component name: {position: slot}} for checkpoint components)."""
+    {component name: {position: slot}} for checkpoint components). With `either_tier`,
+    a slot only the host holds counts (its host handles stand in)."""
     P = tree.page_size
     matched, leaf = brute_matched(tree, tokens, salt)
     pages = {c.name: [None] * (matched // P) for c in tree.components if not isinstance(c, CheckpointComponent)}
@@ -143,6 +144,8 @@ def per_page(tree, tokens, salt=None):
             break
         for c in tree.components:
             v = nd.value[c.index]
+            if v is None and either_tier:
+                v = nd.host[c.index]
             if v is None:
                 continue
             if isinstance(c, CheckpointComponent):
@@ -161,9 +164,9 @@ def page_rule_pages(window, b: int, P: int) -> list[int]:
     return [q for q in range(b // P) if q * P < b and (q + 1) * P > lo]
 
 
-def brute_force(tree, tokens, salt=None) -> Expected:
+def brute_force(tree, tokens, salt=None, either_tier: bool = False) -> Expected:
     P = tree.page_size
-    matched, pages, ckpts = per_page(tree, tokens, salt)
+    matched, pages, ckpts = per_page(tree, tokens, salt, either_tier)
     valid: dict[str, list[int]] = {}
     for c in tree.components:
         ok = []

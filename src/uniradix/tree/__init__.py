@@ -4,11 +4,11 @@ from .components import FullComponent, MambaComponent, SWAComponent
 from .eviction import POLICIES
 from .keys import decode, encode
 from .node import Node
-from .results import EvictResult, InsertResult, LockReceipt, MatchResult
+from .results import EvictResult, Freed, InsertResult, LockReceipt, MatchResult
 from .tree import LockError, RadixTree
 
 __all__ = [
     "CheckpointComponent", "Component", "PageComponent", "FullComponent", "MambaComponent",
     "SWAComponent", "POLICIES", "decode", "encode", "Node", "EvictResult", "InsertResult",
-    "LockReceipt", "MatchResult", "LockError", "RadixTree",
+    "LockReceipt", "MatchResult", "LockError", "RadixTree", "Freed",
 ]

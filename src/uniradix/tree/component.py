@@ -51,17 +51,20 @@ class Component:
         return f"{self.name}_{self.unit}"
 
     # --- reuse rule -------------------------------------------------------------
-    def accepted(self, path: list, matched: int) -> list[Interval]:
+    def accepted(self, path: list, matched: int, host: bool = True) -> list[Interval]:
         """Boundaries in [0, matched] this component alone accepts on `path`, as sorted
-        disjoint closed intervals; (0, 0) is always included."""
+        disjoint closed intervals; (0, 0) is always included. With `host`, a slot held
+        only by the host tier counts (it can be loaded); without, only device data does."""
         raise NotImplementedError
 
     def accepts_end(self, nd) -> bool:
-        """Whether the boundary at nd.end is valid for this component (leaf usefulness)."""
+        """Whether the boundary at nd.end is valid for this component (leaf usefulness),
+        with data in either memory tier."""
         raise NotImplementedError
 
     def handles(self, path: list, b: int) -> array:
-        """Handles a request reuses when it resumes at boundary b (path ends at b)."""
+        """Device handles a request reuses when it resumes at boundary b (path ends at b);
+        slots held only by the host must be loaded first."""
         raise NotImplementedError
 
     def pin_from(self, nd) -> int | None:
@@ -104,12 +107,12 @@ class PageComponent(Component):
     def window_start(self, b: int) -> int:
         return 0 if self.window is None else max(0, page_floor(b - self.window, self.page))
 
-    def accepted(self, path, matched):
+    def accepted(self, path, matched, host=True):
         ci = self.index
         if self.window is None:
             b = 0
             for nd in path:
-                if nd.value[ci] is None:
+                if nd.value[ci] is None and (not host or nd.host[ci] is None):
                     break
                 b = nd.end if nd.end < matched else matched
             return [(0, b)]
@@ -117,7 +120,7 @@ class PageComponent(Component):
         run = -1
         W, P = self.window, self.page
         for nd in path:
-            if nd.value[ci] is None:
+            if nd.value[ci] is None and (not host or nd.host[ci] is None):
                 run = -1
                 continue
             if run < 0:
@@ -137,7 +140,7 @@ class PageComponent(Component):
         W = self.window
         lo = 0 if W is None else nd.end - W  # pages touching [end - W, end) end after lo
         while nd.parent is not None and nd.end > lo:
-            if nd.value[ci] is None:
+            if nd.value[ci] is None and nd.host[ci] is None:
                 return False
             nd = nd.parent
         return True
@@ -254,18 +257,18 @@ class CheckpointComponent(Component):
     unit = "slots"
     reach = 0
 
-    def accepted(self, path, matched):
+    def accepted(self, path, matched, host=True):
         ci = self.index
         out = [(0, 0)]
         for nd in path:
             if nd.end > matched:
                 break
-            if nd.value[ci] is not None:
+            if nd.value[ci] is not None or (host and nd.host[ci] is not None):
                 out.append((nd.end, nd.end))
         return out
 
     def accepts_end(self, nd):
-        return nd.value[self.index] is not None
+        return nd.value[self.index] is not None or nd.host[self.index] is not None
 
     def handles(self, path, b):
         if path and path[-1].end == b and path[-1].value[self.index] is not None:
@@ -273,7 +276,8 @@ class CheckpointComponent(Component):
         return array("i")
 
     def pin_from(self, nd):
-        return -1 if nd.value[self.index] is not None else None
+        ci = self.index
+        return -1 if nd.value[ci] is not None or nd.host[ci] is not None else None
 
     def plan(self, n, junction, incoming, prefix_len, out):
         if not incoming:

@@ -135,12 +135,15 @@ def base_key(policy: str):
 
 
 class EvictionList:
-    """The evictable slots of one component, in eviction order."""
+    """The evictable slots of one component in one memory tier, in eviction order.
+    `slot`: where in Node.where this list records membership (the component index for
+    the device tier, nc + index for the host tier)."""
 
-    __slots__ = ("ci", "plain", "ref", "_queues")
+    __slots__ = ("ci", "slot", "plain", "ref", "_queues")
 
-    def __init__(self, ci: int, policy: str):
+    def __init__(self, ci: int, policy: str, slot: int | None = None):
         self.ci = ci
+        self.slot = ci if slot is None else slot
         self.plain = base_queue(policy)
         bk = base_key(policy)
         self.ref = HeapQueue(lambda nd, ci=ci, bk=bk: (nd.refs[ci], bk(nd)))
@@ -148,7 +151,7 @@ class EvictionList:
 
     def place(self, nd, tier: int) -> None:
         """Put nd in tier 1 (unreferenced) or 2 (session-referenced); tier 0 takes it out."""
-        cur = nd.where[self.ci]
+        cur = nd.where[self.slot]
         if cur == tier:
             if tier == 2:
                 self.ref.add(nd)  # reference count changed: new key
@@ -157,10 +160,10 @@ class EvictionList:
             self._queues[cur].discard(nd)
         if tier:
             self._queues[tier].add(nd)
-        nd.where[self.ci] = tier
+        nd.where[self.slot] = tier
 
     def touch(self, nd) -> None:
-        tier = nd.where[self.ci]
+        tier = nd.where[self.slot]
         if tier:
             self._queues[tier].touch(nd)
 
@@ -169,5 +172,5 @@ class EvictionList:
         if nd is None:
             nd = self.ref.pop()
         if nd is not None:
-            nd.where[self.ci] = 0
+            nd.where[self.slot] = 0
         return nd

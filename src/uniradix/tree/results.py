@@ -2,7 +2,19 @@
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+class Freed(dict):
+    """Handles the tree let go of, per component name, for the caller to free: the
+    device ones as the mapping, the host tier's in `.host`. Built from the tree's
+    internal list (device at [index], host at [nc + index])."""
+
+    def __init__(self, names: list[str], outs: list[array]) -> None:
+        nc = len(names)
+        super().__init__(zip(names, outs[:nc]))
+        self.host = dict(zip(names, outs[nc:2 * nc])) if len(outs) > nc else \
+            {n: array("i") for n in names}
 
 
 @dataclass(slots=True)
@@ -11,14 +23,23 @@ class MatchResult:
     exactly there (the root when 0). `matched`: how far the tokens matched at all (FULL,
     structural). `handles[name]`: what to reuse up to the boundary. `deepest[name]`: the
     deepest boundary that component alone would accept, to see what stopped reuse.
-    `receipt`: the lock on `node` when the match was asked to lock."""
+    `receipt`: the lock on `node` when the match was asked to lock. `loads`: (component
+    index, node) of the slots the boundary counts that only the host tier holds, root
+    side first; while there are any, `handles` is None (load them, then ask the tree's
+    handles_at)."""
 
     node: object
     boundary: int
     matched: int
-    handles: dict[str, array]
+    handles: "dict[str, array] | None"
     deepest: dict[str, int]
     receipt: "LockReceipt | None" = None
+    loads: list = field(default_factory=list)
+
+    @property
+    def host_tokens(self) -> int:
+        """Tokens of FULL data below the boundary that must come from the host."""
+        return sum(nd.end - nd.start for ci, nd in self.loads if ci == 0)
 
     @property
     def stopped_by(self) -> list[str]:
@@ -31,9 +52,10 @@ class MatchResult:
 class InsertResult:
     """`node` ends at the inserted length; `existing` tokens were already cached;
     `free[name]`: incoming handles the tree did not keep (duplicates, out-of-window
-    pages, checkpoints that attach nowhere or are already present): the caller frees
-    them (`outs` holds the same by component index). `receipt`: the lock on `node` when
-    the insert was asked to lock."""
+    pages, checkpoints that attach nowhere or are already present), and `free.host`
+    host copies of nodes the insert found useless: the caller frees them (`outs` holds
+    the same by index, device at [i], host at [nc + i]). `receipt`: the lock on `node`
+    when the insert was asked to lock."""
 
     __slots__ = ("node", "existing", "outs", "names", "receipt")
 
@@ -45,8 +67,8 @@ class InsertResult:
         self.receipt = receipt
 
     @property
-    def free(self) -> dict[str, array]:
-        return dict(zip(self.names, self.outs))
+    def free(self) -> Freed:
+        return Freed(self.names, self.outs)
 
     def __repr__(self) -> str:
         return f"InsertResult(node={self.node!r}, existing={self.existing}, free={self.free})"
@@ -54,9 +76,10 @@ class InsertResult:
 
 @dataclass(slots=True)
 class EvictResult:
-    """Handles freed per component (the caller returns them to its pools)."""
+    """Handles freed per component (the caller returns them to its pools); the host
+    tier's in `freed.host`."""
 
-    freed: dict[str, array]
+    freed: Freed
     removed_nodes: int = 0
     tombstones: int = 0
 

@@ -12,7 +12,7 @@ from .component import Component, Interval, page_floor
 from .eviction import POLICIES, EvictionList
 from .keys import TOKEN_BYTES, common_prefix, encode
 from .node import Node
-from .results import EvictResult, InsertResult, LockReceipt, MatchResult
+from .results import EvictResult, Freed, InsertResult, LockReceipt, MatchResult
 
 
 class LockError(RuntimeError):
@@ -67,17 +67,24 @@ class RadixTree:
         self.unit = page_size * TOKEN_BYTES
         self.policy = eviction_policy
         self.lists = [EvictionList(i, eviction_policy) for i in range(self.nc)]
-        self._queues = [lst._queues for lst in self.lists]  # [component][tier], for touch
+        # the host tier's queues: slot nc + i of Node.where
+        self.host_lists = [EvictionList(i, eviction_policy, self.nc + i) for i in range(self.nc)]
+        self._queues = [lst._queues for lst in self.lists + self.host_lists]  # for touch
         self.roots: dict[object, Node] = {}
         self.clock = 0
         self.size = [0] * self.nc       # handles held by the tree, per component
         self.locked = [0] * self.nc     # of which pinned by a lock
         self.evicted = [0] * self.nc    # cumulative handles freed by eviction
         self.tombstones = [0] * self.nc  # cumulative internal slots evicted
+        self.host_size = [0] * self.nc    # handles held in the host tier, per component
+        self.host_locked = [0] * self.nc
+        self.host_evicted = [0] * self.nc  # cumulative host handles freed by eviction
+        self.offloaded = [0] * self.nc     # device handles dropped because the host holds a copy
         self.removed_nodes = 0
         self.num_nodes = 0
         self.sessions: dict[object, LockReceipt] = {}
-        self._single = self.nc == 1
+        self._single = self.nc == 1      # the one-component fast paths (off once a host tier is used)
+        self.hosted = False               # some slot has been given a host copy
         self._rules = self.components[1:]  # components that can make a leaf useless
 
     # ------------------------------------------------------------------ roots
@@ -88,9 +95,12 @@ class RadixTree:
         return r
 
     # ------------------------------------------------------------------ match
-    def match(self, tokens, salt=None, priority: int | None = None, lock: bool = False) -> MatchResult:
+    def match(self, tokens, salt=None, priority: int | None = None, lock: bool = False,
+              host: bool = True) -> MatchResult:
         """Longest reusable prefix; splits a node so that `result.node` ends at the boundary.
-        With `lock`, `result.receipt` pins what the result hands out."""
+        With `lock`, `result.receipt` pins what the result hands out. Slots held only by
+        the host tier count (`host=False`: device data alone): `result.loads` lists them,
+        and `result.handles` is None until they are loaded (set_device, then handles_at)."""
         key = tokens if isinstance(tokens, bytes) else encode(tokens)
         unit = self.unit
         nd = self.root(salt)
@@ -113,11 +123,14 @@ class RadixTree:
             b = matched
             limits = (b,)
         else:
-            # FULL is on every node the tree has: it accepts all of [0, matched]
-            cur = [(0, matched)]
-            limits = [matched]
+            if host or not self.hosted:
+                # FULL is on every node the tree has (in some tier): it accepts all of [0, matched]
+                cur = [(0, matched)]
+            else:
+                cur = self.components[0].accepted(path, matched, False)
+            limits = [cur[-1][1]]
             for c in self._rules:
-                a = c.accepted(path, matched)
+                a = c.accepted(path, matched, host)
                 limits.append(a[-1][1])
                 cur = intersect(cur, a)
             b = cur[-1][1]
@@ -136,11 +149,38 @@ class RadixTree:
         self._touch_path(touched, priority)
         reuse = path[:cut]
         end = reuse[-1] if reuse else self.root(salt)
-        handles = {}
+        deepest = dict(zip(self.names, limits))
+        if not (self.hosted and host and reuse):
+            handles = {}
+            for c in self.components:
+                handles[c.name] = c.handles(reuse, b)
+            return MatchResult(end, b, matched, handles, deepest, self.lock(end) if lock else None)
+        rc = self.lock(end) if lock else None  # may split at a window start: walk the path after it
+        loads = self._host_only(end)
+        return MatchResult(end, b, matched, None if loads else self.handles_at(end), deepest, rc, loads)
+
+    def _host_only(self, end: Node) -> list[tuple[int, Node]]:
+        """(component index, node) of the slots reuse at end.end needs that only the host
+        holds, root side first: what a load must bring to the device."""
+        loads = []
         for c in self.components:
-            handles[c.name] = c.handles(reuse, b)
-        return MatchResult(end, b, matched, handles, dict(zip(self.names, limits)),
-                           self.lock(end) if lock else None)
+            lo = c.pin_from(end)
+            if lo is None:
+                continue
+            ci = c.index
+            nd = end
+            stop = end.parent if lo < 0 else None
+            while nd is not stop and nd.parent is not None and nd.end > lo:
+                if nd.value[ci] is None:
+                    loads.append((ci, nd))
+                nd = nd.parent
+        loads.reverse()
+        return loads
+
+    def handles_at(self, nd: Node) -> dict[str, array]:
+        """What match would hand out for a reuse ending at nd (after a load)."""
+        path = nd.path()
+        return {c.name: c.handles(path, nd.end) for c in self.components}
 
     def _touch_path(self, path: list[Node], priority) -> None:
         """An access: LRU ticks root to leaf (deeper is newer), LFU hits, request priority."""
@@ -181,6 +221,10 @@ class RadixTree:
             if v is not None:
                 up.value[ci] = v[:kp]
                 nd.value[ci] = v[kp:]
+            h = nd.host[ci]
+            if h is not None:
+                up.host[ci] = h[:kp]
+                nd.host[ci] = h[kp:]
             up.locks[ci] = nd.locks[ci]
             up.refs[ci] = nd.refs[ci]
         self.num_nodes += 1
@@ -246,7 +290,7 @@ class RadixTree:
             path.append(ch)
             nd = ch
         existing = off // TOKEN_BYTES
-        outs = [array("i") for _ in inc]
+        outs = self._outs()
         names = self.names
         if self._single:
             if existing > prefix_len:
@@ -382,7 +426,7 @@ class RadixTree:
             self._pin(c.index, nd, lo, 1, is_lock)
         return rc
 
-    def unlock(self, rc: LockReceipt) -> dict[str, array] | None:
+    def unlock(self, rc: LockReceipt) -> Freed | None:
         """Release exactly what `rc` pinned. A leaf that became useless while locked goes
         now; its handles are returned for the caller to free (None when nothing went)."""
         if rc.released:
@@ -392,22 +436,26 @@ class RadixTree:
             self._pin(ci, nd, lo, -1, True)
         nd = rc.node
         if rc.pins and nd.attached and not nd.children and not nd.locks[0] and not self._useful(nd):
-            outs = [array("i") for _ in self.components]
+            outs = self._outs()
             parent = nd.parent
             self._remove(nd, outs)
             self._prune_up(parent, outs)
-            return {c.name: o for c, o in zip(self.components, outs)}
+            return Freed(self.names, outs)
         return None
+
+    def _outs(self) -> list[array]:
+        """Freed handles: device ones at [component index], host ones at [nc + index]."""
+        return [array("i") for _ in range(2 * self.nc)]
 
     def _pin(self, ci: int, nd: Node, lo: int, delta: int, is_lock: bool) -> None:
         """Walk the pinned span (see Component.pin_from) and move lock or reference counts."""
-        lst = self.lists[ci]
-        structural = ci == 0
         stop = nd.parent if lo < 0 else None  # lo < 0: the node alone
         if not is_lock:
             while nd is not stop and nd.parent is not None and nd.end > lo:
                 nd.refs[ci] += delta
-                self._place(lst, ci, nd, structural)
+                self._place(ci, nd)
+                if self.hosted:
+                    self._place(ci, nd, True)
                 nd = nd.parent
             return
         while nd is not stop and nd.parent is not None and nd.end > lo:
@@ -416,17 +464,19 @@ class RadixTree:
             after = before + delta
             locks[ci] = after
             if not before or not after:
-                v = nd.value[ci]
-                if v is not None:
-                    if after:
-                        self.locked[ci] += len(v)  # stays listed; eviction skips it
-                    else:
+                v, h = nd.value[ci], nd.host[ci]
+                if after:  # stays listed; eviction skips it
+                    if v is not None:
+                        self.locked[ci] += len(v)
+                    if h is not None:
+                        self.host_locked[ci] += len(h)
+                else:  # references may have changed while locked: re-rank
+                    if v is not None:
                         self.locked[ci] -= len(v)
-                        if not (structural and nd.children):
-                            # references may have changed while locked: re-rank
-                            tier = 2 if nd.refs[ci] else 1
-                            if tier == 2 or nd.where[ci] != tier:
-                                lst.place(nd, tier)
+                        self._place(ci, nd)
+                    if h is not None:
+                        self.host_locked[ci] -= len(h)
+                        self._place(ci, nd, True)
             nd = nd.parent
 
     # ------------------------------------------------------------------ sessions
@@ -443,38 +493,122 @@ class RadixTree:
             self._pin(ci, nd, lo, -1, False)
         return True
 
-    # ------------------------------------------------------------------ eviction
-    def _place(self, lst: EvictionList, ci: int, nd: Node, structural: bool) -> None:
-        """List nd if it is evictable now. Entries that stop being evictable (locked,
-        given children, tombstoned, detached) are left in place and skipped at pop."""
-        if nd.attached and nd.value[ci] is not None and not nd.locks[ci] \
-                and not (structural and nd.children):
-            lst.place(nd, 2 if nd.refs[ci] else 1)
+    # ------------------------------------------------------------------ tiers
+    def set_device(self, nd: Node, ci: int, handles: array) -> None:
+        """The device now holds slot (nd, ci) too (loaded from the host): `handles` are
+        the device copy, which the tree owns from now on."""
+        self._attach(nd, ci, handles, False)
 
-    def _pop(self, ci: int):
-        """The next evictable slot of component ci, dropping stale entries on the way."""
-        lst = self.lists[ci]
+    def set_host(self, nd: Node, ci: int, handles: array) -> None:
+        """The host now holds a copy of slot (nd, ci) (written through, backed up before
+        an eviction, or prefetched): `handles` are host handles the tree owns from now on."""
+        self._attach(nd, ci, handles, True)
+
+    def _attach(self, nd: Node, ci: int, handles: array, host: bool) -> None:
+        tier = nd.host if host else nd.value
+        if not nd.attached:
+            raise ValueError(f"{nd!r} is no longer in the tree")
+        if tier[ci] is not None:
+            raise ValueError(f"{nd!r} already holds {self.names[ci]} in the {'host' if host else 'device'} tier")
+        c = self.components[ci]
+        want = 1 if not c.slices else (nd.end - nd.start) // self.page_size
+        if len(handles) != want:
+            raise ValueError(f"{self.names[ci]} on {nd!r} takes {want} handles, got {len(handles)}")
+        if c.slices and nd.value[ci] is None and nd.host[ci] is None:
+            raise ValueError(f"{nd!r}: {self.names[ci]} is a tombstone; a tier copies data, it does not heal")
+        tier[ci] = handles
+        n = len(handles)
+        if host:
+            self.hosted = True
+            self._single = False
+            self.host_size[ci] += n
+            if nd.locks[ci]:
+                self.host_locked[ci] += n
+        else:
+            self.size[ci] += n
+            if nd.locks[ci]:
+                self.locked[ci] += n
+        self._place(ci, nd)
+        self._place(ci, nd, True)
+
+    def unbacked(self, nd: Node, min_hits: int = 0) -> list[tuple[int, Node]]:
+        """(component index, node) of the device slots on the path to nd that the host
+        tier has no copy of, root side first; with `min_hits`, only on nodes accessed at
+        least that often (selective write-through)."""
+        out = []
+        for x in nd.path():
+            if x.hits < min_hits:
+                continue
+            for ci in range(self.nc):
+                if x.value[ci] is not None and x.host[ci] is None:
+                    out.append((ci, x))
+        return out
+
+    # ------------------------------------------------------------------ eviction
+    @staticmethod
+    def _evictable(ci: int, nd: Node, host: bool) -> bool:
+        """Whether one tier may let go of slot (nd, ci) now. FULL shapes the tree: an
+        internal node keeps it unless the other tier holds a copy, or (device tier) no
+        child holds FULL on the device any more, so that a write-back can copy it to the
+        host as it goes."""
+        if host:
+            v, other = nd.host[ci], nd.value[ci]
+        else:
+            v, other = nd.value[ci], nd.host[ci]
+        if v is None or not nd.attached or nd.locks[ci]:
+            return False
+        if ci or other is not None or not nd.children:
+            return True
+        if host:
+            return False
+        for ch in nd.children.values():
+            if ch.value[0] is not None:
+                return False
+        return True
+
+    def _place(self, ci: int, nd: Node, host: bool = False) -> None:
+        """List slot (nd, ci) of one tier if it is evictable now. Entries that stop being
+        evictable (locked, given children, dropped, detached) are left in place and
+        skipped at pop."""
+        if self._evictable(ci, nd, host):
+            (self.host_lists if host else self.lists)[ci].place(nd, 2 if nd.refs[ci] else 1)
+
+    def _pop(self, ci: int, host: bool = False):
+        """The next evictable slot of component ci in one tier, dropping stale entries."""
+        lst = (self.host_lists if host else self.lists)[ci]
         while True:
             nd = lst.pop()
-            if nd is None or (nd.attached and nd.value[ci] is not None and not nd.locks[ci]
-                              and not (ci == 0 and nd.children)):
+            if nd is None or self._evictable(ci, nd, host):
                 return nd
 
     def _place_all(self, nd: Node) -> None:
         if nd.parent is None:
             return
-        for ci, lst in enumerate(self.lists):
-            self._place(lst, ci, nd, ci == 0)
+        for ci in range(self.nc):
+            self._place(ci, nd)
+            if self.hosted:
+                self._place(ci, nd, True)
 
-    def evictable(self, name: str) -> int:
+    def evictable(self, name: str, host: bool = False) -> int:
         i = self.index[name]
+        if host:
+            return self.host_size[i] - self.host_locked[i]
         return self.size[i] - self.locked[i]
 
     def evict(self, **targets: int) -> EvictResult:
-        """Free at least the given number of handles per component, e.g.
+        """Free at least the given number of device handles per component, e.g.
         evict(full_pages=64, swa_pages=16, mamba_slots=1); less when only locked data is left.
-        Internal SWA/MAMBA slots become tombstones; a leaf that can no longer serve a
-        valid boundary goes whole, and its parent is checked in turn."""
+        A slot the host holds a copy of only leaves the device (the node stays,
+        host-only). Otherwise internal SWA/MAMBA slots become tombstones; a leaf that can
+        no longer serve a valid boundary goes whole, and its parent is checked in turn."""
+        return self._evict_result(self._targets(targets), False)
+
+    def evict_host(self, **targets: int) -> EvictResult:
+        """evict() for the host tier: a slot the device also holds loses only its host
+        copy; a host-only slot is lost as a device slot would be."""
+        return self._evict_result(self._targets(targets), True)
+
+    def _targets(self, targets: dict) -> list[int]:
         want = [0] * self.nc
         for k, v in targets.items():
             ci = self.evict_kws.get(k)
@@ -485,47 +619,93 @@ class RadixTree:
             if v < 0:
                 raise ValueError(f"eviction target {k} must be >= 0, got {v}")
             want[ci] = v
+        return want
+
+    def _evict_result(self, want: list[int], host: bool) -> EvictResult:
         removed0, tomb0 = self.removed_nodes, sum(self.tombstones)
-        outs = self.evict_counts(want)
-        return EvictResult(dict(zip(self.names, outs)), self.removed_nodes - removed0,
+        outs = self.evict_counts(want, host)
+        return EvictResult(Freed(self.names, outs), self.removed_nodes - removed0,
                            sum(self.tombstones) - tomb0)
 
-    def evict_counts(self, want: list[int]) -> list[array]:
-        """evict() by component index: the freed handles per component."""
-        outs = [array("i") for _ in want]
+    def evict_counts(self, want: list[int], host: bool = False, backup=None) -> list[array]:
+        """evict() (or evict_host()) by component index: the freed handles, device ones
+        at [index] and host ones at [nc + index]. `backup(node, ci)` (device eviction,
+        write-back): called for a slot the host has no copy of; host handles it returns
+        (already holding the data) become the copy and the slot only leaves the device;
+        None: the slot goes as without a host tier."""
+        nc = self.nc
+        outs = self._outs()
         for ci, k in enumerate(want):
-            out = outs[ci]
+            out = outs[nc + ci] if host else outs[ci]
             while len(out) < k:
-                nd = self._pop(ci)
+                nd = self._pop(ci, host)
                 if nd is None:
                     break
+                if host:
+                    if nd.value[ci] is not None:  # the device keeps it: only the copy goes
+                        self._drop(nd, ci, True, out)
+                        continue
+                else:
+                    if nd.host[ci] is None and backup is not None:
+                        h = backup(nd, ci)
+                        if h is not None:
+                            self._attach(nd, ci, h, True)
+                    if nd.host[ci] is not None:  # the host keeps it: the node stays
+                        self.offloaded[ci] += len(nd.value[ci])
+                        self._drop(nd, ci, False, out)
+                        continue
+                    if ci == 0 and nd.children:
+                        continue  # over host-only children and not backed up: it stays
+                # the slot's last copy goes
                 if ci == 0 or not (nd.children or any(nd.locks)):
                     parent = nd.parent
                     self._remove(nd, outs)
                     self._prune_up(parent, outs)
                 else:  # internal, or a leaf whose other data is locked: only this slot goes
                     self._tombstone(nd, ci, outs)
-        evicted = self.evicted
-        for ci, o in enumerate(outs):
-            evicted[ci] += len(o)
+        for ci in range(nc):
+            self.evicted[ci] += len(outs[ci])
+            self.host_evicted[ci] += len(outs[nc + ci])
         return outs
 
+    def _drop(self, nd: Node, ci: int, host: bool, out: array) -> None:
+        """One tier lets go of a slot the other tier still holds."""
+        if host:
+            v = nd.host[ci]
+            nd.host[ci] = None
+            self.host_size[ci] -= len(v)
+        else:
+            v = nd.value[ci]
+            nd.value[ci] = None
+            self.size[ci] -= len(v)
+        out += v
+        self._place(ci, nd, not host)  # FULL: the other tier's copy may no longer go
+        if ci == 0 and not host and nd.parent.parent is not None:
+            self._place(0, nd.parent)  # the parent may be the device's leaf now
+
     def _remove(self, nd: Node, outs: list[array]) -> None:
-        """Detach a leaf and free all its data."""
-        value, size = nd.value, self.size
-        for ci in range(self.nc):
+        """Detach a leaf and free all its data, in both tiers."""
+        value, host, size, nc = nd.value, nd.host, self.size, self.nc
+        for ci in range(nc):
             v = value[ci]
             if v is not None:
                 outs[ci] += v
                 size[ci] -= len(v)
                 value[ci] = None
+            h = host[ci]
+            if h is not None:
+                outs[nc + ci] += h
+                self.host_size[ci] -= len(h)
+                host[ci] = None
         parent = nd.parent
         del parent.children[nd.key[:self.unit]]
         nd.attached = False
         self.removed_nodes += 1
         self.num_nodes -= 1
         if not parent.children and parent.parent is not None:
-            self._place(self.lists[0], 0, parent, True)
+            self._place(0, parent)
+            if self.hosted:
+                self._place(0, parent, True)
 
     def _prune_up(self, nd: Node, outs: list[array]) -> Node:
         """Remove nd and its ancestors while each is an unlocked useless leaf; returns
@@ -543,13 +723,18 @@ class RadixTree:
         return True
 
     def _tombstone(self, nd: Node, ci: int, outs: list[array]) -> None:
+        """Slot (nd, ci) is lost in every tier; leaves that depended on it go."""
         c = self.components[ci]
-        v = nd.value[ci]
-        outs[ci] += v
-        self.size[ci] -= len(v)
-        nd.value[ci] = None
+        v, h = nd.value[ci], nd.host[ci]
+        if v is not None:
+            outs[ci] += v
+            self.size[ci] -= len(v)
+            nd.value[ci] = None
+        if h is not None:
+            outs[self.nc + ci] += h
+            self.host_size[ci] -= len(h)
+            nd.host[ci] = None
         self.tombstones[ci] += 1
-        self._place(self.lists[ci], ci, nd, False)
         if c.reach == 0:
             return
         limit = None if c.reach is None else nd.end + c.reach
@@ -590,7 +775,9 @@ class RadixTree:
             "components": {
                 c.name: {"size": self.size[i], "locked": self.locked[i],
                          "evictable": self.size[i] - self.locked[i],
-                         "evicted": self.evicted[i], "tombstones": self.tombstones[i]}
+                         "evicted": self.evicted[i], "tombstones": self.tombstones[i],
+                         "host_size": self.host_size[i], "host_locked": self.host_locked[i],
+                         "host_evicted": self.host_evicted[i], "offloaded": self.offloaded[i]}
                 for i, c in enumerate(self.components)
             },
         }
