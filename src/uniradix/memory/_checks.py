@@ -53,3 +53,11 @@ def layer_id_tuple(layer_ids, what: str) -> tuple[int, ...]:
     if len(set(ids)) != len(ids):
         raise ValueError(f"{what}: duplicate layer ids in {ids}")
     return ids
+
+
+def pinned_ok(pin_memory, device: torch.device, what: str) -> bool:
+    """Only host memory can be pinned; say so here rather than deep inside torch."""
+    pin_memory = bool(pin_memory)
+    if pin_memory and device.type != "cpu":
+        raise ValueError(f"{what}: pin_memory applies to host (cpu) memory, not {device}")
+    return pin_memory

@@ -25,9 +25,9 @@ class KVPool(HandlePool):
 
     def __init__(self, layer_ids, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.float16, device="cpu", *,
-                 accounting_only: bool = False, name: str = "kv"):
+                 accounting_only: bool = False, name: str = "kv", pin_memory: bool = False):
         super().__init__(num_pages, name=name, layer_ids=layer_ids, device=device,
-                         accounting_only=accounting_only)
+                         accounting_only=accounting_only, pin_memory=pin_memory)
         self._page_size = positive_int(page_size, f"KVPool {name!r} page_size")
         self._num_kv_heads = positive_int(num_kv_heads, f"KVPool {name!r} num_kv_heads")
         self._head_dim = positive_int(head_dim, f"KVPool {name!r} head_dim")
@@ -35,8 +35,9 @@ class KVPool(HandlePool):
         self._k = self._v = None
         if not self._accounting_only:
             shape = (len(self._layer_ids), self.size, *self.page_shape)
-            self._k = torch.zeros(shape, dtype=self._dtype, device=self._device)
-            self._v = torch.zeros(shape, dtype=self._dtype, device=self._device)
+            kw = dict(dtype=self._dtype, device=self._device, pin_memory=self._pin_memory)
+            self._k = torch.zeros(shape, **kw)
+            self._v = torch.zeros(shape, **kw)
 
     @property
     def num_pages(self) -> int:

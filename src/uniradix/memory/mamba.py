@@ -29,9 +29,9 @@ class MambaStatePool(HandlePool):
     def __init__(self, layer_ids, num_slots: int, conv_shape, state_shape,
                  dtype: torch.dtype = torch.float32, device="cpu", *,
                  state_dtype: torch.dtype | None = None, accounting_only: bool = False,
-                 name: str = "mamba"):
+                 name: str = "mamba", pin_memory: bool = False):
         super().__init__(num_slots, name=name, layer_ids=layer_ids, device=device,
-                         accounting_only=accounting_only)
+                         accounting_only=accounting_only, pin_memory=pin_memory)
         self._conv_shape = shape_tuple(conv_shape, f"MambaStatePool {name!r} conv_shape")
         self._state_shape = shape_tuple(state_shape, f"MambaStatePool {name!r} state_shape")
         self._conv_dtype = torch_dtype(dtype, f"MambaStatePool {name!r} dtype")
@@ -41,9 +41,9 @@ class MambaStatePool(HandlePool):
         if not self._accounting_only:
             lead = (len(self._layer_ids), self.size)
             self._conv = torch.zeros((*lead, *self._conv_shape), dtype=self._conv_dtype,
-                                     device=self._device)
+                                     device=self._device, pin_memory=self._pin_memory)
             self._state = torch.zeros((*lead, *self._state_shape), dtype=self._state_dtype,
-                                      device=self._device)
+                                      device=self._device, pin_memory=self._pin_memory)
 
     @property
     def num_slots(self) -> int:

@@ -10,7 +10,7 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
-from ._checks import layer_id_tuple, positive_int
+from ._checks import layer_id_tuple, pinned_ok, positive_int
 from .allocator import HandleAllocator
 from .sidecar import SidecarPool
 
@@ -32,7 +32,7 @@ class HandlePool:
     kind = "HandlePool"
 
     def __init__(self, size: int, *, name: str, layer_ids, device="cpu",
-                 accounting_only: bool = False):
+                 accounting_only: bool = False, pin_memory: bool = False):
         if not isinstance(name, str) or not name:
             raise ValueError(f"{self.kind} name must be a non-empty string, got {name!r}")
         size = positive_int(size, f"{self.kind} {name!r} size")
@@ -41,6 +41,7 @@ class HandlePool:
         self._layer_index = {lid: i for i, lid in enumerate(self._layer_ids)}
         self._device = torch.device(device)
         self._accounting_only = bool(accounting_only)
+        self._pin_memory = pinned_ok(pin_memory, self._device, f"{self.kind} {name!r}")
         self._allocator = HandleAllocator(size, name)
         self._sidecars: dict[str, SidecarPool] = {}
         self._live_sidecars: list[SidecarPool] = []
@@ -61,6 +62,11 @@ class HandlePool:
     @property
     def accounting_only(self) -> bool:
         return self._accounting_only
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether the buffers are page-locked host memory (fast async copies to a device)."""
+        return self._pin_memory
 
     @property
     def allocator(self) -> HandleAllocator:

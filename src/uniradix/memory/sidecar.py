@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ._checks import shape_tuple, torch_dtype
+from ._checks import pinned_ok, shape_tuple, torch_dtype
 
 __all__ = ["SidecarPool"]
 
@@ -22,13 +22,14 @@ class SidecarPool:
     accounting-only) when registered with ``pool.register_sidecar``."""
 
     def __init__(self, name: str, shape_per_handle=(), dtype: torch.dtype = torch.float32,
-                 device="cpu"):
+                 device="cpu", *, pin_memory: bool = False):
         if not isinstance(name, str) or not name:
             raise ValueError(f"sidecar name must be a non-empty string, got {name!r}")
         self._name = name
         self._shape = shape_tuple(shape_per_handle, f"sidecar {name!r} shape_per_handle")
         self._dtype = torch_dtype(dtype, f"sidecar {name!r} dtype")
         self._device = torch.device(device)
+        self._pin_memory = pinned_ok(pin_memory, self._device, f"sidecar {name!r}")
         self._owner = None
         self._num_handles = 0
         self._accounting_only = False
@@ -50,6 +51,10 @@ class SidecarPool:
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def pin_memory(self) -> bool:
+        return self._pin_memory
 
     @property
     def owner(self):
@@ -98,7 +103,7 @@ class SidecarPool:
         tensor = None
         if not accounting_only:
             tensor = torch.zeros((num_handles, *self._shape), dtype=self._dtype,
-                                 device=self._device)
+                                 device=self._device, pin_memory=self._pin_memory)
         self._owner = owner
         self._num_handles = num_handles
         self._accounting_only = accounting_only

@@ -6,6 +6,7 @@ The batch's tokens go through the projections, norms and MLPs together; attentio
 the recurrent scan run per request, each over its own pages and slot."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,9 +57,12 @@ class _Span:
 
 
 @torch.no_grad()
-def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[PagedInput]) -> list[torch.Tensor]:
+def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[PagedInput], *,
+                  wait_layer: Callable[[int], None] | None = None) -> list[torch.Tensor]:
     """Logits [len(tokens), vocab] per request. pools: "full" and "swa" KVPools keyed
-    by model layer index, "mamba" a MambaStatePool, as the layer pattern needs."""
+    by model layer index, "mamba" a MambaStatePool, as the layer pattern needs.
+    `wait_layer(layer)` is called before a layer touches any pool data, so a layerwise
+    load from the host tier only has to have finished that layer."""
     if not inputs:
         return []
     device = weights["embed"].device
@@ -81,6 +85,8 @@ def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[Pa
         spans["S"] = [_Span(i.swa_pages, P, max(0, i.start - W + 1), i.start, i.end, device) for i in inputs]
     x = weights["embed"][ids]
     for layer, (kind, lw) in enumerate(zip(cfg.pattern, weights["layers"])):
+        if wait_layer is not None:
+            wait_layer(layer)
         h = rms_norm(x, lw["norm1"], cfg.norm_eps)
         if kind in "FS":
             q = rope((h @ lw["wq"]).view(N, H, hd), pos, cfg.rope_theta)
