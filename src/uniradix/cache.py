@@ -3,15 +3,25 @@
 The tree decides which handles to keep, reuse or evict; this class executes: it owns
 the pools, allocates (evicting on shortfall), frees what the tree gives back, copies
 MAMBA checkpoints into request-owned slots (copy-on-write), and keeps the counts.
+
+With host pools (L2) it also moves data between the tiers: it loads what a match needs
+from the host (all or nothing, layer by layer under the forward), writes device data to
+the host as the write policy says (`write_through`, `write_through_selective` after an
+access-count threshold, `write_back` when it leaves the device), and frees host handles
+the tree gives back.
 """
 from __future__ import annotations
 
 from array import array
 
+from .hicache.transfer import CopyJob, LayerwiseLoad
+from .memory.host import copy_handles
 from .tree import CheckpointComponent, LockReceipt, RadixTree, encode
 from .tree.component import page_floor
 
 _NEG = array("i", (-1,))
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 class CacheFull(RuntimeError):
@@ -30,11 +40,12 @@ class CachedRequest:
     `cached_tokens` is what it reused when it started; `matched` is its junction.
     `resume_points` are further positions (the prompt end, say) where later requests
     should be able to resume: like the junction, the SWA window before each is kept.
+    `host_tokens` of the prefix came from the host tier (a load the forward waits for).
     """
 
     __slots__ = ("key", "salt", "priority", "prefix_len", "matched", "pages", "receipt", "node",
                  "state_slot", "state_len", "checkpoints", "window_freed", "done", "cached_tokens",
-                 "resume_points")
+                 "resume_points", "host_tokens")
 
     def __init__(self, key: bytes, salt, priority, prefix_len: int, matched: int,
                  pages: dict, receipt: LockReceipt, node) -> None:
@@ -53,6 +64,7 @@ class CachedRequest:
         self.window_freed = 0
         self.done = False
         self.resume_points: list[int] = []
+        self.host_tokens = 0  # of prefix_len, FULL tokens loaded from the host tier
 
     @property
     def num_tokens(self) -> int:
@@ -69,10 +81,16 @@ class UnifiedRadixCache:
     checkpoint components; without it, as with accounting-only allocators, nothing is
     copied)."""
 
-    def __init__(self, tree: RadixTree, pools: dict, copy_checkpoints: bool = True):
+    def __init__(self, tree: RadixTree, pools: dict, copy_checkpoints: bool = True,
+                 host_pools: dict | None = None, write_policy: str = "write_through",
+                 write_through_threshold: int = 2):
         missing = [n for n in tree.names if n not in pools]
         if missing:
             raise ValueError(f"no pool for component(s) {missing}")
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write policy {write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}")
+        if write_through_threshold < 1:
+            raise ValueError(f"write_through_threshold must be at least 1, got {write_through_threshold}")
         self.tree = tree
         self.page_size = tree.page_size
         self.comps = tree.components
@@ -92,6 +110,21 @@ class UnifiedRadixCache:
         self.requests = 0
         self.prompt_tokens = 0
         self.hit_tokens = 0
+        self.host_pools = None
+        self.write_policy = write_policy
+        self.write_min_hits = write_through_threshold if write_policy == "write_through_selective" else 0
+        self.pending_loads: list = []  # layer-by-layer loads the next reader of the pools waits for
+        self.host_counters = dict(loads=0, loaded_handles=0, failed_loads=0, written_handles=0,
+                                  skipped_writes=0, written_back=0)
+        if host_pools is not None:
+            missing = [n for n in tree.names if n not in host_pools]
+            if missing:
+                raise ValueError(f"no host pool for component(s) {missing}")
+            self.host_pools = [host_pools[n] for n in tree.names]
+            ids = set()
+            for p in self.pools:
+                ids.update(getattr(p, "layer_ids", ()))
+            self.layer_ids = sorted(ids)
 
     # ------------------------------------------------------------------ allocation
     def alloc(self, **counts: int) -> dict[str, array]:
@@ -119,13 +152,16 @@ class UnifiedRadixCache:
         if short is None:
             return [pools[ci].alloc(k) if k else None for ci, k in enumerate(need)]
         got: list = [None] * len(need)
-        for ci, h in enumerate(self.tree.evict_counts(short)):
+        nc = len(need)
+        outs = self._evict_device(short)
+        for ci, h in enumerate(outs[:nc]):
             k = need[ci]
             if k and h:
                 got[ci] = h[:k]
                 h = h[k:]
             if h:
                 pools[ci].free(h)
+        self._free_host(outs[nc:])
         for ci, k in enumerate(need):
             have = 0 if got[ci] is None else len(got[ci])
             if pools[ci].available < k - have:
@@ -152,18 +188,77 @@ class UnifiedRadixCache:
                 self.pools[self.tree.index[name]].free(h)
 
     def _evict(self, **targets: int):
+        self.sync_loads()
         ev = self.tree.evict(**targets)
         self._give_back(ev.freed)
         return ev
+
+    def _evict_device(self, want: list[int]) -> list[array]:
+        """tree.evict_counts for the device tier; with write_back, what leaves the
+        device is copied to the host first (room is made there beforehand)."""
+        self.sync_loads()  # a page being loaded is locked, but its copy must end before reuse
+        if self.host_pools is None or self.write_policy != "write_back":
+            return self.tree.evict_counts(want)
+        short = [max(0, k - hp.available) for k, hp in zip(want, self.host_pools)]
+        if any(short):
+            self._free_outs(self.tree.evict_counts(short, host=True))
+        return self.tree.evict_counts(want, backup=self._write_back)
+
+    def _write_back(self, nd, ci: int):
+        """The tree's backup hook: copy slot (nd, ci) to free host handles, or None."""
+        v = nd.value[ci]
+        hp = self.host_pools[ci]
+        if hp.available < len(v):
+            self.host_counters["skipped_writes"] += len(v)
+            return None
+        h = hp.alloc(len(v))
+        copy_handles(self.pools[ci], v, hp, h)
+        self.host_counters["written_back"] += len(v)
+        return h
+
+    def _free_host(self, host_outs) -> None:
+        """Return host handles the tree gave back (by component index)."""
+        if self.host_pools is None:
+            return
+        for ci, h in enumerate(host_outs):
+            if h:
+                self.host_pools[ci].free(h)
+
+    def _free_outs(self, outs: list[array]) -> None:
+        """Free a tree result list: device handles at [i], host ones at [nc + i]."""
+        nc = len(self.pools)
+        for ci, h in enumerate(outs[:nc]):
+            if h:
+                self.pools[ci].free(h)
+        self._free_host(outs[nc:])
+
+    def _alloc_host(self, need: list[int]) -> list | None:
+        """Host handles per component, evicting host data on shortfall; None (nothing
+        allocated) when the host tier cannot make room."""
+        hps = self.host_pools
+        short = [max(0, k - hp.available) for k, hp in zip(need, hps)]
+        if any(short):
+            self.sync_loads()
+            # a node that goes whole gives back its device handles too
+            self._free_outs(self.tree.evict_counts(short, host=True))
+            if any(k > hp.available for k, hp in zip(need, hps)):
+                return None
+        return [hp.alloc(k) if k else None for k, hp in zip(need, hps)]
 
     def evict(self, **targets: int):
         """Evict explicitly (e.g. to make room ahead of time); returns the EvictResult."""
         return self._evict(**targets)
 
-    def _give_back(self, freed: dict[str, array]) -> None:
+    def _give_back(self, freed) -> None:
+        """Free what the tree let go of: device handles, and host ones (`freed.host`)."""
         for name, h in freed.items():
             if h:
                 self.pools[self.tree.index[name]].free(h)
+        host = getattr(freed, "host", None)
+        if host and self.host_pools is not None:
+            for name, h in host.items():
+                if h:
+                    self.host_pools[self.tree.index[name]].free(h)
 
     # ------------------------------------------------------------------ request lifecycle
     def match_prefix(self, tokens, salt=None, priority: int | None = None,
@@ -175,43 +270,141 @@ class UnifiedRadixCache:
         On CacheFull nothing stays locked or allocated."""
         key = tokens if isinstance(tokens, bytes) else encode(tokens)
         m = self.tree.match(key, salt, priority, lock=True)
+        if m.loads:
+            try:
+                return self._start_request(key, m, salt, priority, alloc)
+            except CacheFull:  # the host's part cannot come back now: reuse the device's
+                self.host_counters["failed_loads"] += 1
+                self._unlock(m.receipt)
+                m = self.tree.match(key, salt, priority, lock=True, host=False)
+        try:
+            return self._start_request(key, m, salt, priority, alloc)
+        except CacheFull:
+            self._unlock(m.receipt)
+            raise
+
+    def _start_request(self, key: bytes, m, salt, priority, alloc: bool) -> CachedRequest:
+        """Allocate what the request needs (its own pages, its state slot, device room
+        for the slots to load from the host) in one all-or-nothing step, start the
+        load, and hand out the reused handles."""
         rc = m.receipt
         b = m.boundary
         P = self.page_size
-        pages = {}
         need = [0] * len(self.pools)
+        for ci, nd in m.loads:
+            need[ci] += len(nd.host[ci])
         want = -(-(len(key) >> 2) // P) if alloc else 0
+        if want > b // P:
+            for c in self.page_comps:
+                need[c.index] += want - b // P
+        if self.ckpt is not None:
+            need[self.ckpt.index] += 1
+        got = self._alloc(need) if any(need) else None
+        handles = m.handles
+        jobs = []
+        if m.loads:
+            jobs = self._load(m.loads, got)
+            handles = self.tree.handles_at(m.node)
+        pages = {}
         for c in self.page_comps:
-            h = m.handles[c.name]
+            h = handles[c.name]
             if c.window is not None:
                 h = _NEG * (b // P - len(h)) + h
             pages[c.name] = h
-            if want > len(h):
-                need[c.index] = want - len(h)
+            own = got[c.index] if got is not None else None
+            if own:
+                pages[c.name] += own
         req = CachedRequest(key, salt, priority, b, m.matched, pages, rc, m.node)
+        req.host_tokens = m.host_tokens
         if self.ckpt is not None:
-            need[self.ckpt.index] = 1
-        if any(need):
-            try:
-                got = self._alloc(need)
-            except CacheFull:
-                self.tree.unlock(rc)
-                raise
-            for c in self.page_comps:
-                if got[c.index] is not None:
-                    pages[c.name] += got[c.index]
-            if self.ckpt is not None:
-                slot = got[self.ckpt.index][0]
-                src = m.handles[self.ckpt.name]
-                if src:
-                    if self.copy_checkpoints:
-                        self.pools[self.ckpt.index].copy_slot(src[0], slot)
-                    req.state_len = b
-                req.state_slot = slot
+            slot = got[self.ckpt.index][0]
+            src = handles[self.ckpt.name]
+            if src:
+                ci = self.ckpt.index
+                loaded = next((nd for cj, nd in m.loads if cj == ci), None)
+                if loaded is not None:  # the private copy comes straight from the host
+                    jobs.append(CopyJob(self.host_pools[ci], loaded.host[ci], self.pools[ci],
+                                        array("i", (slot,))))
+                elif self.copy_checkpoints:
+                    self.pools[ci].copy_slot(src[0], slot)
+                req.state_len = b
+            req.state_slot = slot
+        if jobs:
+            self.pending_loads.append(LayerwiseLoad(jobs, self.layer_ids).start())
         self.requests += 1
         self.prompt_tokens += len(key) // 4
         self.hit_tokens += b
         return req
+
+    def _load(self, loads, got: list) -> list:
+        """Give every host-only slot of `loads` device handles from the front of
+        `got[ci]` (the rest stays the request's), and return the copies that fill them
+        (one job per component)."""
+        src: dict[int, array] = {}
+        dst: dict[int, array] = {}
+        for ci, nd in loads:
+            hh = nd.host[ci]
+            n = len(hh)
+            h = got[ci][:n]
+            got[ci] = got[ci][n:]
+            self.tree.set_device(nd, ci, h)
+            src.setdefault(ci, array("i")).extend(hh)
+            dst.setdefault(ci, array("i")).extend(h)
+        self.host_counters["loads"] += 1
+        self.host_counters["loaded_handles"] += sum(len(h) for h in dst.values())
+        return [CopyJob(self.host_pools[ci], src[ci], self.pools[ci], dst[ci]) for ci in src]
+
+    def wait_layer(self, layer_id: int) -> None:
+        """Block until every pending load has copied `layer_id` (the forward's hook)."""
+        for ld in self.pending_loads:
+            ld.wait(layer_id)
+
+    def sync_loads(self) -> None:
+        """Wait for every pending load to end (before device data is read other than by
+        the forward, or a loaded page could be reused)."""
+        loads, self.pending_loads = self.pending_loads, []
+        for ld in loads:
+            ld.wait_all()
+
+    def write_through(self, node, min_hits: int | None = None) -> int:
+        """Copy the device slots on the path to `node` that the host has no copy of to
+        the host (the write policy's L1 -> L2 step after a request is cached); with
+        `write_through_selective` only nodes accessed `write_through_threshold` times.
+        Returns the handles written; none when the host cannot make room."""
+        if self.host_pools is None or self.write_policy == "write_back" or not node.attached:
+            return 0
+        todo = self.tree.unbacked(node, self.write_min_hits if min_hits is None else min_hits)
+        if not todo:
+            return 0
+        need = [0] * len(self.pools)
+        for ci, nd in todo:
+            need[ci] += len(nd.value[ci])
+        self.sync_loads()
+        rc = self.tree.lock(node)  # a host eviction to make room must not take this path
+        try:
+            got = self._alloc_host(need)
+            if got is None:
+                self.host_counters["skipped_writes"] += sum(need)
+                return 0
+            src: dict[int, array] = {}
+            dst: dict[int, array] = {}
+            for ci, nd in todo:
+                n = len(nd.value[ci])
+                h = got[ci][:n]
+                got[ci] = got[ci][n:]
+                if not nd.attached or nd.host[ci] is not None:  # gone while making room
+                    self.host_pools[ci].free(h)
+                    continue
+                src.setdefault(ci, array("i")).extend(nd.value[ci])
+                dst.setdefault(ci, array("i")).extend(h)
+                self.tree.set_host(nd, ci, h)
+            for ci in src:
+                copy_handles(self.pools[ci], src[ci], self.host_pools[ci], dst[ci])
+        finally:
+            self._unlock(rc)
+        n = sum(len(h) for h in dst.values())
+        self.host_counters["written_handles"] += n
+        return n
 
     def alloc_request(self, req: CachedRequest, upto: int | None = None) -> None:
         """Allocate the request's own pages so they cover its first `upto` tokens (all by default)."""
@@ -320,10 +513,13 @@ class UnifiedRadixCache:
         req.done = True
         if session_id is not None and node.parent is not None:
             self.tree.register_session(session_id, node)
+        if self.host_pools is not None and node.parent is not None:
+            self.write_through(node)
         return node
 
     def release(self, req: CachedRequest) -> None:
         """Abort: free everything the request owns and unlock, caching nothing."""
+        self.sync_loads()  # a load may still be writing its state slot
         P = self.page_size
         for c in self.page_comps:
             own = req.pages[c.name][req.prefix_len // P:]
@@ -369,9 +565,7 @@ class UnifiedRadixCache:
         marks = (req.matched, *req.resume_points) if req.resume_points else req.matched
         r = self.tree.insert(req.key, values, req.prefix_len, marks, req.salt, req.priority,
                              not finished)
-        for ci, h in enumerate(r.outs):
-            if h:
-                self.pools[ci].free(h)
+        self._free_outs(r.outs)
         node = r.node
         req.prefix_len = n
         if finished:
@@ -403,9 +597,18 @@ class UnifiedRadixCache:
 
     def flush(self) -> bool:
         """Drop everything cached. Refused (False) while requests hold locks."""
-        if any(self.tree.locked):
+        if any(self.tree.locked) or any(self.tree.host_locked):
             return False
-        self._evict(**{c.evict_kw: self.tree.size[c.index] + 1 for c in self.comps[:1]})
+        self.sync_loads()
+        tree = self.tree
+        while True:  # host-only parents can go only once their children have gone, and back
+            n = tree.num_nodes
+            if self.host_pools is not None:
+                self._free_outs(tree.evict_counts([tree.host_size[0] + 1] + [0] * (len(self.pools) - 1),
+                                                  host=True))
+            self._evict(**{c.evict_kw: tree.size[c.index] + 1 for c in self.comps[:1]})
+            if not tree.num_nodes or tree.num_nodes == n:
+                break
         for sid in list(self.tree.sessions):
             self.tree.close_session(sid)
         return True
@@ -415,6 +618,11 @@ class UnifiedRadixCache:
         for c, pool in zip(self.comps, self.pools):
             t["components"][c.name]["pool_available"] = pool.available
             t["components"][c.name]["pool_size"] = getattr(pool, "size", None)
+        if self.host_pools is not None:
+            for c, hp in zip(self.comps, self.host_pools):
+                t["components"][c.name]["host_pool_available"] = hp.available
+                t["components"][c.name]["host_pool_size"] = hp.size
+            t["host"] = dict(self.host_counters, write_policy=self.write_policy)
         t["requests"] = self.requests
         t["prompt_tokens"] = self.prompt_tokens
         t["hit_tokens"] = self.hit_tokens

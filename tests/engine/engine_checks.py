@@ -25,7 +25,8 @@ TOL = 1e-4
 
 __all__ = ["PRESET_NAMES", "PAGE_SIZES", "TOL", "Engine", "Request", "SamplingParams", "page_floor",
            "toks", "diverging", "greedy", "check_exact", "check_work", "tree_nodes", "tree_handles",
-           "check_ownership", "check_settled", "check_flush", "run_checked", "has_kind"]
+           "check_ownership", "check_host_ownership", "check_settled", "check_flush", "run_checked",
+           "has_kind"]
 
 
 def has_kind(name: str, kind: str) -> bool:
@@ -133,6 +134,34 @@ def check_ownership(engine: Engine) -> None:
     ti = tree.index
     for name in engine.pools:
         assert tree.size[ti[name]] == sum(held[name].values()), (name, tree.size, held[name])
+    check_host_ownership(engine)
+
+
+def host_held(tree) -> dict[str, Counter]:
+    out = {c.name: Counter() for c in tree.components}
+    for nd in tree.nodes():
+        for c in tree.components:
+            v = nd.host[c.index]
+            if v is not None:
+                out[c.name].update(v)
+        assert any(v is not None for v in (nd.value[0], nd.host[0])), f"{nd}: FULL in no tier"
+    return out
+
+
+def check_host_ownership(engine: Engine) -> None:
+    """The host tier: every allocated host handle is held exactly once, by the tree."""
+    cache = engine.cache
+    if cache.host_pools is None:
+        return
+    tree = cache.tree
+    held = host_held(tree)
+    for c, hp in zip(tree.components, cache.host_pools):
+        h = held[c.name]
+        dup = [x for x, k in h.items() if k > 1]
+        assert not dup, f"host {c.name}: handles held twice: {sorted(dup)[:10]}"
+        assert hp.size - hp.available == sum(h.values()), \
+            f"host {c.name}: {hp.size - hp.available} allocated, the tree holds {sum(h.values())}"
+        assert tree.host_size[c.index] == sum(h.values())
 
 
 def check_settled(engine: Engine) -> None:
@@ -154,6 +183,8 @@ def check_flush(engine: Engine) -> None:
     assert engine.cache.tree.num_nodes == 0
     assert not tree_nodes(engine.cache.tree)
     assert list(engine.cache.tree.size) == [0] * engine.cache.tree.nc
+    for hp in engine.cache.host_pools or ():
+        assert hp.available == hp.size, f"host {hp.name}: {hp.size - hp.available} handles still allocated after flush"
 
 
 def run_checked(engine: Engine, requests, *, every_step: bool = True) -> dict:

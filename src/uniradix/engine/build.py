@@ -5,17 +5,22 @@ from __future__ import annotations
 import torch
 
 from ..cache import UnifiedRadixCache
-from ..memory import KVPool, MambaStatePool
+from ..memory import KVPool, MambaStatePool, host_mirror, host_sizes
 from ..model import HybridConfig
 from ..tree import FullComponent, MambaComponent, RadixTree, SWAComponent
 
 
 def build_cache(cfg: HybridConfig, *, page_size: int = 1, max_total_tokens: int = 16384,
                 swa_full_tokens_ratio: float = 1.0, max_mamba_cache_size: int = 256,
-                eviction_policy: str = "lru", device="cpu") -> tuple[UnifiedRadixCache, dict]:
+                eviction_policy: str = "lru", device="cpu", hierarchical: bool = False,
+                hicache_ratio: float = 2.0, hicache_size: float | None = None,
+                write_policy: str = "write_through",
+                write_through_threshold: int = 2) -> tuple[UnifiedRadixCache, dict]:
     """Returns the cache and the pools by name ("full", "swa", "mamba"), sized like
     SGLang's flags: FULL holds `max_total_tokens`, SWA that times the ratio, MAMBA
-    `max_mamba_cache_size` state slots (running requests' states and checkpoints)."""
+    `max_mamba_cache_size` state slots (running requests' states and checkpoints).
+    `hierarchical` adds host mirrors of every pool (L2), `hicache_ratio` times each
+    device pool, or `hicache_size` GB in all (which overrides the ratio)."""
     if page_size < 1:
         raise ValueError(f"page size must be at least 1, got {page_size}")
     if max_total_tokens < page_size:
@@ -42,4 +47,10 @@ def build_cache(cfg: HybridConfig, *, page_size: int = 1, max_total_tokens: int 
                                         (cfg.n_heads, cfg.state_dim, cfg.head_dim), dtype, device)
         comps.append(MambaComponent())
     tree = RadixTree(comps, page_size=page_size, eviction_policy=eviction_policy)
-    return UnifiedRadixCache(tree, pools), pools
+    host = None
+    if hierarchical:
+        sizes = host_sizes(pools, ratio=hicache_ratio, size_gb=hicache_size)
+        host = {name: host_mirror(pool, sizes[name]) for name, pool in pools.items()}
+    cache = UnifiedRadixCache(tree, pools, host_pools=host, write_policy=write_policy,
+                              write_through_threshold=write_through_threshold)
+    return cache, pools

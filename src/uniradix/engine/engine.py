@@ -28,7 +28,7 @@ from .sampling import sample
 log = logging.getLogger("uniradix.engine")
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-WRITE_POLICIES = ("write_through", "write_through_selective")  # write_back needs the host tier
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 class _Seq:
@@ -57,6 +57,13 @@ class Engine:
     `submit` queues requests, `step` runs one scheduling step, `run` drives a list of
     requests to the end.
 
+    `enable_hierarchical_cache` adds the host tier (L2): host mirrors of every pool,
+    `hicache_ratio` times the device pools or `hicache_size` GB. A request reuses what
+    the host holds too; it is loaded back (all or nothing) layer by layer while the
+    forward runs. `hicache_write_policy` says when device data is copied to the host:
+    "write_through" (when a request is cached), "write_through_selective" (only nodes
+    accessed `write_through_threshold` times), "write_back" (when it leaves the device).
+
     `storage`: a hicache StorageBackend shared with other engines (L3). Finished work
     is written through to it. A request that could resume at least
     `storage_prefetch_threshold` tokens deeper than the device allows has the store
@@ -78,7 +85,8 @@ class Engine:
                  storage_prefetch_policy: str = "best_effort", prefetch_timeout_base: float = 1.0,
                  prefetch_timeout_per_ki_token: float = 0.25, prefetch_timeout_max: float = 3.0,
                  hicache_write_policy: str = "write_through", write_through_threshold: int = 2,
-                 rank: int = 0) -> None:
+                 enable_hierarchical_cache: bool = False, hicache_ratio: float = 2.0,
+                 hicache_size: float | None = None, rank: int = 0) -> None:
         self.cfg = preset(config) if isinstance(config, str) else config
         if chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be at least 1, got {chunked_prefill_size}")
@@ -91,10 +99,20 @@ class Engine:
         self.weights = _to(w, self.device)
         if max_mamba_cache_size is None:
             max_mamba_cache_size = 4 * max_running_requests + 64
+        if hicache_write_policy not in WRITE_POLICIES:
+            raise ValueError(f"unknown write policy {hicache_write_policy!r}; choose one of "
+                             f"{', '.join(WRITE_POLICIES)}")
+        if hicache_write_policy == "write_back" and not enable_hierarchical_cache:
+            raise ValueError("write policy write_back (--hicache-write-policy) writes on eviction from the host "
+                             "tier: it needs --enable-hierarchical-cache")
         self.cache, self.pools = build_cache(
             self.cfg, page_size=page_size, max_total_tokens=max_total_tokens,
             swa_full_tokens_ratio=swa_full_tokens_ratio, max_mamba_cache_size=max_mamba_cache_size,
-            eviction_policy=radix_eviction_policy, device=self.device)
+            eviction_policy=radix_eviction_policy, device=self.device,
+            hierarchical=enable_hierarchical_cache and not disable_radix_cache,
+            hicache_ratio=hicache_ratio, hicache_size=hicache_size or None,
+            write_policy=hicache_write_policy, write_through_threshold=write_through_threshold)
+        self.hierarchical = self.cache.host_pools is not None
         self.page_size = page_size
         self.chunk = chunked_prefill_size
         self.max_running = max_running_requests
@@ -107,7 +125,7 @@ class Engine:
         self.counters = dict(steps=0, finished=0, errors=0, preemptions=0, prefill_tokens=0,
                              cached_tokens=0, prompt_tokens=0, decode_tokens=0, checkpoints_skipped=0,
                              storage_tokens=0, storage_errors=0, storage_saved_objects=0, storage_prefetches=0,
-                             storage_prefetch_abandoned=0)
+                             storage_prefetch_abandoned=0, host_tokens=0)
         self.l3 = None
         self._io = None
         self.prefetching: list = []
@@ -118,9 +136,6 @@ class Engine:
                         ("max", prefetch_timeout_max)):
             if v < 0:
                 raise ValueError(f"prefetch_timeout_{name} must be >= 0, got {v}")
-        if hicache_write_policy not in WRITE_POLICIES:
-            raise ValueError(f"unknown write policy {hicache_write_policy!r}; choose one of "
-                             f"{', '.join(WRITE_POLICIES)}")
         if write_through_threshold < 1:
             raise ValueError(f"write_through_threshold must be at least 1, got {write_through_threshold}")
         self.write_min_hits = write_through_threshold if hicache_write_policy == "write_through_selective" else 0
@@ -217,7 +232,11 @@ class Engine:
         if batch:
             self.counters["steps"] += 1
             inputs = [inp for _, inp in batch]
-            logits = paged_forward(self.cfg, self.weights, self.pools, inputs)
+            cache = self.cache
+            wait = cache.wait_layer if cache.pending_loads else None  # host loads still copying
+            logits = paged_forward(self.cfg, self.weights, self.pools, inputs, wait_layer=wait)
+            if wait is not None:
+                cache.sync_loads()
             for (seq, inp), lg in zip(batch, logits):
                 self._advance(seq, inp, lg, done)
         return done
@@ -253,7 +272,9 @@ class Engine:
         seq.target = len(seq.tokens)
         if req.status in ("waiting", "prefetching"):  # first admission, not a preempted one
             req.metrics.cached_tokens = b
+            req.metrics.host_tokens = creq.host_tokens
             req.metrics.storage_tokens = b - creq.prefix_len
+            self.counters["host_tokens"] += creq.host_tokens
             self.counters["cached_tokens"] += b
             self.counters["prompt_tokens"] += len(seq.tokens)
         req.status = "running"
@@ -488,6 +509,7 @@ class Engine:
 
     def _write_through(self, seq: _Seq) -> None:
         from ..hicache import StorageUnavailable
+        self.cache.sync_loads()  # the path may hold pages a load is still filling
         try:
             self.counters["storage_saved_objects"] += self.l3.save_cached(
                 seq.tokens[:seq.computed], seq.req.salt, self.write_min_hits)

@@ -33,12 +33,14 @@ class SamplingParams:
 @dataclass
 class RequestMetrics:
     """prompt_tokens: the prompt's length. cached_tokens: prompt tokens reused from the
-    cache at admission, `storage_tokens` of them loaded from L3. computed_tokens: tokens run through prefill (more than
+    cache at admission, `host_tokens` of them loaded from the host tier (L2) and
+    `storage_tokens` from L3. computed_tokens: tokens run through prefill (more than
     prompt - cached only when the request was preempted and resumed). Times are seconds
     from `time.perf_counter`."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_tokens: int = 0
     storage_tokens: int = 0
     computed_tokens: int = 0
     output_tokens: int = 0
