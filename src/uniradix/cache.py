@@ -151,6 +151,13 @@ class UnifiedRadixCache:
                 short[ci] = k - pools[ci].available
         if short is None:
             return [pools[ci].alloc(k) if k else None for ci, k in enumerate(need)]
+        tree = self.tree
+        for ci, k in enumerate(short):
+            if k > tree.size[ci] - tree.locked[ci]:  # evicting could not make room: evict nothing
+                name = self.names[ci]
+                raise CacheFull(
+                    f"cannot allocate {need[ci]} {name} handles: {pools[ci].available} free and "
+                    f"{tree.evictable(name)} evictable; the rest is locked by running requests")
         got: list = [None] * len(need)
         nc = len(need)
         outs = self._evict_device(short)

@@ -28,6 +28,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--radix-eviction-policy", default="lru", choices=POLICIES, help="eviction order")
     g.add_argument("--disable-radix-cache", action="store_true", help="reuse nothing (the baseline)")
     g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    g.add_argument("--enable-hierarchical-cache", action="store_true",
+                   help="add the host tier (L2): host copies of every pool, loaded back layer by layer")
+    g.add_argument("--hicache-ratio", type=float, default=2.0,
+                   help="host pools as a multiple of the device pools (must be > 1)")
+    g.add_argument("--hicache-size", type=float, default=0,
+                   help="host pools in GB in all; overrides --hicache-ratio (0: use the ratio)")
     g.add_argument("--hicache-storage-backend", default=None,
                    choices=["file", "redis", "mooncake", "dynamic"],
                    help="L3 shared storage: finished work is written through, deeper prefixes are loaded")
@@ -36,8 +42,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "prefetch_threshold: tokens beyond the device hit worth a load, default 256; "
                         "prefetch_timeout_base / _per_ki_token / _max in seconds, default 1 / 0.25 / 3)")
     g.add_argument("--hicache-write-policy", default="write_through",
-                   choices=["write_through", "write_through_selective"],
-                   help="what finished work goes to L3: all, or what was reused --write-through-threshold times")
+                   choices=["write_through", "write_through_selective", "write_back"],
+                   help="when data goes down a tier: when cached (write_through), once reused "
+                        "--write-through-threshold times (write_through_selective), or when it leaves "
+                        "the tier above (write_back, needs --enable-hierarchical-cache)")
     g.add_argument("--write-through-threshold", type=int, default=2,
                    help="accesses before write_through_selective writes a prefix")
     g.add_argument("--hicache-storage-prefetch-policy", default="best_effort",
@@ -67,6 +75,8 @@ def engine_from_args(a: argparse.Namespace):
     return Engine(cfg, weights=weights, storage=storage,
                   storage_prefetch_policy=a.hicache_storage_prefetch_policy, **prefetch,
                   hicache_write_policy=a.hicache_write_policy,
+                  enable_hierarchical_cache=a.enable_hierarchical_cache, hicache_ratio=a.hicache_ratio,
+                  hicache_size=a.hicache_size or None,
                   write_through_threshold=a.write_through_threshold,
                   page_size=a.page_size, max_total_tokens=a.max_total_tokens,
                   swa_full_tokens_ratio=a.swa_full_tokens_ratio,
@@ -138,6 +148,13 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(f"hit rate = cached prefix tokens / prompt tokens, summed per round; input tok/s counts "
           f"cached tokens too.\nengine: {s['prefill_tokens']} prefill and {s['decode_tokens']} decode "
           f"tokens computed, {s['preemptions']} preemptions, {ev} FULL pages evicted, {s['errors']} errors")
+    if engine.hierarchical:
+        h = s["cache"]["host"]
+        full = s["cache"]["components"]["full"]
+        print(f"L2 (host, {full['host_pool_size']} FULL pages): {s['host_tokens']} prompt tokens loaded back "
+              f"in {h['loads']} loads ({h['failed_loads']} could not fit), {h['written_handles'] + h['written_back']} "
+              f"handles written ({a.hicache_write_policy}), {full['offloaded']} FULL pages left the device "
+              f"as host copies, {full['host_evicted']} host pages evicted")
     if a.hicache_storage_backend:
         print(f"L3 ({a.hicache_storage_backend}): {s['storage_tokens']} prompt tokens loaded in "
               f"{s['storage_loads']} loads ({s['storage_failed_loads']} failed), "
