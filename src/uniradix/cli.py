@@ -92,6 +92,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--clients", type=int, default=8, help="conversations in flight together")
     g.add_argument("--rounds", type=int, default=8, help="turns per conversation")
     g.add_argument("--tokens-per-round", type=int, default=128, help="new user tokens each turn")
+    g.add_argument("--first-round-tokens", type=int, default=None,
+                   help="each client's own tokens in its first turn, e.g. a document (default: --tokens-per-round)")
     g.add_argument("--output-tokens", type=int, default=16, help="tokens generated each turn")
     g.add_argument("--shared-prefix-tokens", type=int, default=128,
                    help="a system prompt every conversation opens with")
@@ -102,7 +104,7 @@ def workload_from_args(a: argparse.Namespace):
     from .bench import MultiTurnWorkload
     return MultiTurnWorkload(clients=a.clients, rounds=a.rounds, tokens_per_round=a.tokens_per_round,
                              output_tokens=a.output_tokens, shared_prefix_tokens=a.shared_prefix_tokens,
-                             seed=a.seed)
+                             seed=a.seed, first_round_tokens=a.first_round_tokens)
 
 
 def cmd_run(a: argparse.Namespace) -> int:

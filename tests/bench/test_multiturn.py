@@ -69,6 +69,10 @@ def test_run_prints_a_table(capsys):
     (["--page-size", "0"], "page size"),
     (["--max-total-tokens", "0"], "max_total_tokens"),
     (["--chunked-prefill-size", "0"], "chunked_prefill_size"),
+    (["--enable-hierarchical-cache", "--hicache-ratio", "1"], "--hicache-ratio"),
+    (["--enable-hierarchical-cache", "--hicache-size", "0.000001"], "--hicache-size"),
+    (["--hicache-write-policy", "write_back"], "--enable-hierarchical-cache"),
+    (["--first-round-tokens", "0"], "first_round_tokens"),
 ])
 def test_bad_flags_are_clear_errors(capsys, flags, message):
     assert main(["run", "--no-progress", *flags]) == 2
@@ -106,3 +110,31 @@ def test_run_with_l3_storage_reuses_across_processes(tmp_path, capsys):
     assert main(args) == 0
     assert "L3 (file)" in capsys.readouterr().out
     assert main([*args[:-1], "{broken"]) == 2
+
+
+def test_first_round_tokens_give_each_client_a_document():
+    wl = MultiTurnWorkload(clients=2, rounds=3, tokens_per_round=6, output_tokens=2, shared_prefix_tokens=4,
+                           first_round_tokens=40)
+    eng = Engine("tiny-hybrid", max_total_tokens=2048)
+    rounds = run_multiturn(eng, wl)
+    for k, r in enumerate(rounds, 1):
+        assert r.prompt_tokens == wl.clients * (4 + 40 + 6 * (k - 1) + 2 * (k - 1))
+    assert wl.final_context == 4 + 40 + 2 * 6 + 3 * 2
+    # the documents differ per client: round 1 shares only the system prompt
+    assert rounds[0].cached_tokens <= wl.clients * 4
+
+
+def test_run_with_the_host_tier_serves_turns_from_host(capsys):
+    """Device pools that hold about one conversation: later turns come back from L2."""
+    args = ["run", "--clients", "4", "--rounds", "3", "--tokens-per-round", "8", "--output-tokens", "2",
+            "--first-round-tokens", "96", "--shared-prefix-tokens", "0", "--page-size", "4",
+            "--max-total-tokens", "256", "--enable-hierarchical-cache", "--hicache-ratio", "4",
+            "--no-progress"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    eng = out["engine"]
+    assert eng["host_tokens"] > 0 and eng["errors"] == 0
+    assert eng["cache"]["host"]["written_handles"] > 0
+    assert out["rounds"][2]["cached_tokens"] > 0.8 * out["rounds"][2]["prompt_tokens"]
+    assert main(args) == 0
+    assert "L2 (host" in capsys.readouterr().out

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class MultiTurnWorkload:
     """`shared_prefix_tokens` open every conversation (a system prompt all clients
-    share); each round adds `tokens_per_round` new user tokens and asks for
-    `output_tokens` (greedy)."""
+    share); the first round adds `first_round_tokens` of the client's own (a document
+    pasted in; default `tokens_per_round`), each later round `tokens_per_round` new user
+    tokens; every round asks for `output_tokens` (greedy)."""
 
     clients: int = 4
     rounds: int = 4
@@ -22,17 +23,30 @@ class MultiTurnWorkload:
     shared_prefix_tokens: int = 32
     vocab_size: int = 256
     seed: int = 0
+    first_round_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("clients", "rounds", "tokens_per_round", "output_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.first_round_tokens is not None and self.first_round_tokens < 1:
+            raise ValueError(f"first_round_tokens must be at least 1, got {self.first_round_tokens}")
         if self.shared_prefix_tokens < 0:
             raise ValueError(f"shared_prefix_tokens must be >= 0, got {self.shared_prefix_tokens}")
 
     @property
     def requests(self) -> int:
         return self.clients * self.rounds
+
+    @property
+    def first_tokens(self) -> int:
+        return self.tokens_per_round if self.first_round_tokens is None else self.first_round_tokens
+
+    @property
+    def final_context(self) -> int:
+        """Tokens one conversation holds after the last round (its share of the working set)."""
+        return (self.shared_prefix_tokens + self.first_tokens + (self.rounds - 1) * self.tokens_per_round
+                + self.rounds * self.output_tokens)
 
 
 @dataclass
@@ -81,7 +95,7 @@ def run_multiturn(engine, workload: MultiTurnWorkload, progress=None) -> list[Ro
         return [rng.randrange(V) for _ in range(n)]
 
     shared = fresh(workload.shared_prefix_tokens)
-    convs = [shared + fresh(workload.tokens_per_round) for _ in range(workload.clients)]
+    convs = [shared + fresh(workload.first_tokens) for _ in range(workload.clients)]
     sampling = SamplingParams(max_new_tokens=workload.output_tokens)
     reports = []
     for rnd in range(workload.rounds):
