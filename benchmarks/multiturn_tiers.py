@@ -1,16 +1,20 @@
 """The cliff: many clients, each extending one conversation for many rounds, on the
-reference engine, with the device cache alone and with shared storage under it, in
-one run. The working set outgrows the device pools mid-run; from then on the device
-alone serves almost nothing, and storage keeps the hit rate up.
+reference engine, with the device cache alone, with the host tier under it, and with
+shared storage under both, in one run. The working set outgrows the device pools at
+once and the host pools mid-run; from then on each tier above serves almost nothing,
+and storage keeps the hit rate up.
 
     pip install -e ".[plots]"   # matplotlib, for the PNG
     python benchmarks/multiturn_tiers.py [--clients 16 --rounds 12 --max-total-tokens 4096]
 
-Prints per round the hit rate (cached prefix tokens / prompt tokens, summed over the
-round) and effective input throughput (prompt tokens per second of the round, cached
-ones included) per configuration, writes a PNG of both (--plot), and ends with one
-JSON line. Configurations: L1 (device pools only) and L1+L3 (the file backend in a
-fresh temporary directory). L1+L2 and L1+L2+L3 join when the host tier lands.
+Each client opens with a document of its own (--first-round-tokens) and then adds a
+short turn per round. Prints per round the hit rate (cached prefix tokens / prompt
+tokens, summed over the round; host and storage hits count) and effective input
+throughput (prompt tokens per second of the round, cached ones included) per
+configuration, writes a PNG of both (--plot), and ends with one JSON line.
+Configurations: L1 (device pools only), L1+L2 (host pools --hicache-ratio times the
+device's, write-through) and L1+L2+L3 (plus the file backend in a fresh temporary
+directory).
 """
 from __future__ import annotations
 
@@ -25,14 +29,19 @@ from uniradix.engine import Engine
 from uniradix.hicache.backends.file import FileBackend
 
 
-def run(config: str, wl: MultiTurnWorkload, a, store_dir: str) -> list:
+CONFIGS = ("L1", "L1+L2", "L1+L2+L3")
+
+
+def run(config: str, wl: MultiTurnWorkload, a, store_dir: str) -> tuple[list, dict]:
     storage = FileBackend(store_dir) if "L3" in config else None
     eng = Engine(a.model_preset, page_size=a.page_size, max_total_tokens=a.max_total_tokens,
                  max_running_requests=a.max_running_requests, storage=storage,
                  storage_prefetch_threshold=a.prefetch_threshold,
-                 storage_prefetch_policy="wait_complete")
+                 storage_prefetch_policy="wait_complete",
+                 enable_hierarchical_cache="L2" in config, hicache_ratio=a.hicache_ratio)
     try:
-        return run_multiturn(eng, wl)
+        rounds = run_multiturn(eng, wl)
+        return rounds, eng.stats()
     finally:
         eng.close()
 
@@ -61,26 +70,32 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--rounds", type=int, default=12)
-    p.add_argument("--tokens-per-round", type=int, default=128)
+    p.add_argument("--first-round-tokens", type=int, default=768, help="each client's own document")
+    p.add_argument("--tokens-per-round", type=int, default=32)
     p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--shared-prefix-tokens", type=int, default=0)
     p.add_argument("--model-preset", default="tiny-hybrid")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-total-tokens", type=int, default=4096, help="the device (L1) pools")
+    p.add_argument("--hicache-ratio", type=float, default=4.0, help="the host (L2) pools, times L1")
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--prefetch-threshold", type=int, default=64)
     p.add_argument("--plot", default="multiturn_tiers.png", help="PNG path ('' for none)")
     a = p.parse_args()
     wl = MultiTurnWorkload(clients=a.clients, rounds=a.rounds, tokens_per_round=a.tokens_per_round,
-                           output_tokens=a.output_tokens, shared_prefix_tokens=a.shared_prefix_tokens)
-    final = a.clients * (a.shared_prefix_tokens + a.rounds * (a.tokens_per_round + a.output_tokens))
-    print(f"{a.model_preset}, {wl.clients} clients x {wl.rounds} rounds, {wl.tokens_per_round} new and "
-          f"{wl.output_tokens} output tokens per round; device pools {a.max_total_tokens} tokens, "
-          f"final working set {final} tokens; page size {a.page_size}")
-    results = {}
+                           output_tokens=a.output_tokens, shared_prefix_tokens=a.shared_prefix_tokens,
+                           first_round_tokens=a.first_round_tokens)
+    first = a.clients * (a.shared_prefix_tokens + wl.first_tokens + a.output_tokens)
+    final = a.clients * wl.final_context
+    host = int(a.max_total_tokens * a.hicache_ratio)
+    print(f"{a.model_preset}, {wl.clients} clients x {wl.rounds} rounds: a {wl.first_tokens}-token document "
+          f"each, then {wl.tokens_per_round} new and {wl.output_tokens} output tokens per round; "
+          f"working set {first} tokens after round 1, {final} at the end; device pools (L1) "
+          f"{a.max_total_tokens} tokens, host pools (L2) {host}; page size {a.page_size}")
+    results, stats = {}, {}
     with tempfile.TemporaryDirectory(prefix="uniradix-l3-") as d:
-        for cfg in ("L1", "L1+L3"):
-            results[cfg] = run(cfg, wl, a, os.path.join(d, cfg))
+        for cfg in CONFIGS:
+            results[cfg], stats[cfg] = run(cfg, wl, a, os.path.join(d, cfg))
     names = list(results)
     print("round " + " ".join(f"{'hit ' + c:>12} {'tok/s ' + c:>14}" for c in names))
     for i in range(wl.rounds):
@@ -100,6 +115,11 @@ def main() -> None:
         print(f"last {q} rounds, {c}: hit rate {summary[c]['hit_rate_last_quarter']:.1%}, "
               f"{summary[c]['input_throughput_last_quarter']:,.0f} input tok/s, "
               f"TTFT {summary[c]['ttft_mean_ms_last_quarter']:.1f} ms")
+    for c in names:
+        s = stats[c]
+        print(f"{c}: {s['cached_tokens']} of {s['prompt_tokens']} prompt tokens cached, {s['host_tokens']} "
+              f"loaded from L2 and {s['storage_tokens']} from L3; {s['preemptions']} preemptions, "
+              f"{s['errors']} errors")
     base = summary["L1"]["input_throughput_last_quarter"]
     for c in names[1:]:
         print(f"{c} / L1 input throughput, last {q} rounds: {summary[c]['input_throughput_last_quarter'] / base:.2f}")
