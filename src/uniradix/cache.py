@@ -41,11 +41,13 @@ class CachedRequest:
     `resume_points` are further positions (the prompt end, say) where later requests
     should be able to resume: like the junction, the SWA window before each is kept.
     `host_tokens` of the prefix came from the host tier (a load the forward waits for).
+    `staged`: host copies of pages it read from L3 through the host tier, its own until
+    it is cached; then they become the tree's host copies of those pages.
     """
 
     __slots__ = ("key", "salt", "priority", "prefix_len", "matched", "pages", "receipt", "node",
                  "state_slot", "state_len", "checkpoints", "window_freed", "done", "cached_tokens",
-                 "resume_points", "host_tokens")
+                 "resume_points", "host_tokens", "staged")
 
     def __init__(self, key: bytes, salt, priority, prefix_len: int, matched: int,
                  pages: dict, receipt: LockReceipt, node) -> None:
@@ -65,6 +67,7 @@ class CachedRequest:
         self.done = False
         self.resume_points: list[int] = []
         self.host_tokens = 0  # of prefix_len, FULL tokens loaded from the host tier
+        self.staged: dict | None = None  # {ci: {page: (device, host)}}: L3 data read via the host
 
     @property
     def num_tokens(self) -> int:
@@ -115,7 +118,7 @@ class UnifiedRadixCache:
         self.write_min_hits = write_through_threshold if write_policy == "write_through_selective" else 0
         self.pending_loads: list = []  # layer-by-layer loads the next reader of the pools waits for
         self.host_counters = dict(loads=0, loaded_handles=0, failed_loads=0, written_handles=0,
-                                  skipped_writes=0, written_back=0)
+                                  skipped_writes=0, written_back=0, staged_from_storage=0, adopted=0)
         if host_pools is not None:
             missing = [n for n in tree.names if n not in host_pools]
             if missing:
@@ -361,6 +364,60 @@ class UnifiedRadixCache:
         self.host_counters["loaded_handles"] += sum(len(h) for h in dst.values())
         return [CopyJob(self.host_pools[ci], src[ci], self.pools[ci], dst[ci]) for ci in src]
 
+    def stage_fetched(self, req: CachedRequest, got) -> bool:
+        """Land data read from L3 (an `L3Store.fetch` result naming the request's own
+        device handles) in the host tier, and load it from there into those handles layer
+        by layer. The host copies of the pages stay the request's (`req.staged`) until it
+        is cached. False, with nothing written, when the host cannot make room: then the
+        caller writes the data to the device directly."""
+        from .hicache.codec import write_handles, write_sidecar_rows
+        index = {id(p): ci for ci, p in enumerate(self.pools)}
+        need = [0] * len(self.pools)
+        for target, hs, _, sidecar in got.plan:
+            if not sidecar:
+                need[index[id(target)]] += len(hs)
+        hh = self._alloc_host(need)
+        if hh is None:
+            return False
+        jobs = []
+        staged = req.staged if req.staged is not None else {}
+        host = None
+        for (target, hs, _, sidecar), blobs in zip(got.plan, got.blobs):
+            if sidecar:  # rows of the pool entry just before it, on the same handles
+                write_sidecar_rows(host.sidecars[target.name], host_h, blobs)
+                continue
+            ci = index[id(target)]
+            host = self.host_pools[ci]
+            host_h = hh[ci][:len(hs)]
+            hh[ci] = hh[ci][len(hs):]
+            write_handles(host, host_h, blobs)
+            jobs.append(CopyJob(host, host_h, target, array("i", hs)))
+            if ci == getattr(self.ckpt, "index", -1):  # a state slot moves on: nothing to keep
+                staged.setdefault(-1, []).extend(host_h)
+                continue
+            first = (got.b // self.page_size) - len(hs)
+            pages = staged.setdefault(ci, {})
+            for k, (d, h) in enumerate(zip(hs, host_h)):
+                pages[first + k] = (d, h)
+        req.staged = staged
+        self.pending_loads.append(LayerwiseLoad(jobs, self.layer_ids).start())
+        self.host_counters["staged_from_storage"] += sum(need)
+        return True
+
+    def _adopt_staged(self, req: CachedRequest, node) -> None:
+        """The request is cached (or released: node None): the tree takes its staged host
+        pages as host copies where they hold a node's data, the rest are freed."""
+        staged, req.staged = req.staged, None
+        if not staged:
+            return
+        if node is not None and node.parent is not None:
+            self.write_through(node, staged=staged)
+        for ci, pages in staged.items():
+            if ci < 0:
+                self.host_pools[self.ckpt.index].free(array("i", pages))
+            elif pages:
+                self.host_pools[ci].free(array("i", (h for _, h in pages.values())))
+
     def wait_layer(self, layer_id: int) -> None:
         """Block until every pending load has copied `layer_id` (the forward's hook)."""
         for ld in self.pending_loads:
@@ -373,38 +430,71 @@ class UnifiedRadixCache:
         for ld in loads:
             ld.wait_all()
 
-    def write_through(self, node, min_hits: int | None = None) -> int:
-        """Copy the device slots on the path to `node` that the host has no copy of to
-        the host (the write policy's L1 -> L2 step after a request is cached); with
-        `write_through_selective` only nodes accessed `write_through_threshold` times.
-        Returns the handles written; none when the host cannot make room."""
-        if self.host_pools is None or self.write_policy == "write_back" or not node.attached:
+    def write_through(self, node, min_hits: int | None = None, staged: dict | None = None) -> int:
+        """Give the device slots on the path to `node` that the host has no copy of a
+        host copy (the write policy's L1 -> L2 step after a request is cached); with
+        `write_through_selective` only on nodes accessed `write_through_threshold` times;
+        with `write_back` nothing is copied here. `staged` ({ci: {page: (device, host)}}):
+        host pages that already hold a slot's data (read from L3 through the host): they
+        are taken as they are, whatever the policy, and removed from `staged`. Returns the
+        handles copied; none when the host cannot make room."""
+        if self.host_pools is None or not node.attached:
             return 0
-        todo = self.tree.unbacked(node, self.write_min_hits if min_hits is None else min_hits)
+        copying = self.write_policy != "write_back"
+        hits = self.write_min_hits if min_hits is None else min_hits
+        P = self.page_size
+        todo, need = [], [0] * len(self.pools)
+        for ci, nd in self.tree.unbacked(node):
+            v = nd.value[ci]
+            pages = staged.get(ci) if staged else None
+            have = None
+            if pages:
+                first = nd.start // P
+                have = array("i", (x[1] if x is not None and x[0] == d else -1
+                                   for x, d in zip((pages.get(first + k) for k in range(len(v))), v)))
+            missing = len(v) if have is None else have.count(-1)
+            if missing and (not copying or nd.hits < hits):
+                continue
+            todo.append((ci, nd, have))
+            need[ci] += missing
         if not todo:
             return 0
-        need = [0] * len(self.pools)
-        for ci, nd in todo:
-            need[ci] += len(nd.value[ci])
         self.sync_loads()
         rc = self.tree.lock(node)  # a host eviction to make room must not take this path
+        src: dict[int, array] = {}
+        dst: dict[int, array] = {}
         try:
-            got = self._alloc_host(need)
+            got = self._alloc_host(need) if any(need) else [None] * len(need)
             if got is None:
                 self.host_counters["skipped_writes"] += sum(need)
-                return 0
-            src: dict[int, array] = {}
-            dst: dict[int, array] = {}
-            for ci, nd in todo:
-                n = len(nd.value[ci])
-                h = got[ci][:n]
-                got[ci] = got[ci][n:]
-                if not nd.attached or nd.host[ci] is not None:  # gone while making room
-                    self.host_pools[ci].free(h)
+                todo = [t for t in todo if t[2] is not None and -1 not in t[2]]
+                got = [None] * len(need)
+            for ci, nd, have in todo:
+                v = nd.value[ci]
+                if have is None:
+                    have = _NEG * len(v)
+                n = have.count(-1)
+                h = got[ci][:n] if n else array("i")
+                if n:
+                    got[ci] = got[ci][n:]
+                if not nd.attached or nd.host[ci] is not None or nd.value[ci] is not v:
+                    if n:  # gone or changed while making room
+                        self.host_pools[ci].free(h)
                     continue
-                src.setdefault(ci, array("i")).extend(nd.value[ci])
+                k = 0
+                for i, x in enumerate(have):
+                    if x < 0:
+                        have[i] = h[k]
+                        src.setdefault(ci, array("i")).append(v[i])
+                        k += 1
                 dst.setdefault(ci, array("i")).extend(h)
-                self.tree.set_host(nd, ci, h)
+                self.tree.set_host(nd, ci, have)
+                if staged and ci in staged:
+                    first = nd.start // P
+                    pages = staged[ci]
+                    for i in range(len(v)):
+                        pages.pop(first + i, None)
+                    self.host_counters["adopted"] += len(v) - n
             for ci in src:
                 copy_handles(self.pools[ci], src[ci], self.host_pools[ci], dst[ci])
         finally:
@@ -520,13 +610,17 @@ class UnifiedRadixCache:
         req.done = True
         if session_id is not None and node.parent is not None:
             self.tree.register_session(session_id, node)
-        if self.host_pools is not None and node.parent is not None:
+        if req.staged is not None:
+            self._adopt_staged(req, node)  # writes through the rest too
+        elif self.host_pools is not None and node.parent is not None:
             self.write_through(node)
         return node
 
     def release(self, req: CachedRequest) -> None:
         """Abort: free everything the request owns and unlock, caching nothing."""
         self.sync_loads()  # a load may still be writing its state slot
+        if req.staged is not None:
+            self._adopt_staged(req, None)
         P = self.page_size
         for c in self.page_comps:
             own = req.pages[c.name][req.prefix_len // P:]

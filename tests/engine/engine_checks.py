@@ -90,12 +90,17 @@ def tree_handles(tree) -> dict[str, Counter]:
     return held(tree)
 
 
+def _holders(engine: Engine) -> list:
+    """Sequences that own cache state: running ones, and those waiting for an L3 read."""
+    return list(engine.running) + [seq for seq, _, _ in engine.prefetching]
+
+
 def _request_handles(engine: Engine):
     """(handles each running request owns, handles of the tree each one reads) per pool."""
     own = {name: Counter() for name in engine.pools}
     reads = {name: Counter() for name in engine.pools}
     P = engine.page_size
-    for seq in engine.running:
+    for seq in _holders(engine):
         creq = seq.creq
         assert creq is not None, "a running sequence lost its cache request"
         cut = creq.prefix_len // P
@@ -149,19 +154,27 @@ def host_held(tree) -> dict[str, Counter]:
 
 
 def check_host_ownership(engine: Engine) -> None:
-    """The host tier: every allocated host handle is held exactly once, by the tree."""
+    """The host tier: every allocated host handle is held exactly once, by the tree or by
+    a running request (pages it read from L3 through the host, until it is cached)."""
     cache = engine.cache
     if cache.host_pools is None:
         return
     tree = cache.tree
     held = host_held(tree)
+    staged = {c.name: Counter() for c in tree.components}
+    for seq in _holders(engine):
+        for ci, pages in (seq.creq.staged or {}).items():
+            if ci < 0:
+                staged[tree.components[cache.ckpt.index].name].update(pages)
+            else:
+                staged[tree.components[ci].name].update(h for _, h in pages.values())
     for c, hp in zip(tree.components, cache.host_pools):
-        h = held[c.name]
+        assert tree.host_size[c.index] == sum(held[c.name].values())
+        h = held[c.name] + staged[c.name]
         dup = [x for x, k in h.items() if k > 1]
         assert not dup, f"host {c.name}: handles held twice: {sorted(dup)[:10]}"
         assert hp.size - hp.available == sum(h.values()), \
             f"host {c.name}: {hp.size - hp.available} allocated, the tree holds {sum(h.values())}"
-        assert tree.host_size[c.index] == sum(h.values())
 
 
 def check_settled(engine: Engine) -> None:
@@ -193,7 +206,7 @@ def run_checked(engine: Engine, requests, *, every_step: bool = True) -> dict:
     for r in requests:
         engine.submit(r)
     seen = dict(max_running=0, max_waiting=0, steps=0)
-    while engine.waiting or engine.running:
+    while engine.waiting or engine.running or engine.prefetching:
         engine.step()
         seen["steps"] += 1
         seen["max_running"] = max(seen["max_running"], len(engine.running))

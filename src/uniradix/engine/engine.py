@@ -340,7 +340,12 @@ class Engine:
                 self.counters["storage_errors"] += 1
                 got = None
             if got is not None:
-                self.l3.apply(got)
+                # through the host tier when there is one (loaded layer by layer under the
+                # forward); else, or when the host is full, straight into the device pages
+                if self.hierarchical and self.cache.stage_fetched(creq, got):
+                    self.l3.count_applied(got)
+                else:
+                    self.l3.apply(got)
                 self.cache.resumed_from(creq, got.b)
                 self.counters["storage_tokens"] += got.b - b
                 b = got.b

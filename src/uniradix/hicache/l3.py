@@ -246,6 +246,10 @@ class L3Store:
         """Write fetched data into the pools (on the thread that owns them)."""
         for (target, hs, _, sidecar), bl in zip(got.plan, got.blobs):
             (write_sidecar_rows if sidecar else write_handles)(target, hs, bl)
+        self.count_applied(got)
+
+    def count_applied(self, got: "Fetched") -> None:
+        """`got` was written to the pools (here, or through the host tier by the cache)."""
         self._count("loaded_objects", got.objects)
 
     def _count(self, name: str, n: int = 1) -> None:
