@@ -117,6 +117,9 @@ class UnifiedRadixCache:
         self.write_policy = write_policy
         self.write_min_hits = write_through_threshold if write_policy == "write_through_selective" else 0
         self.pending_loads: list = []  # layer-by-layer loads the next reader of the pools waits for
+        # write_back to the tier below the host: called with (node, ci) before a host-only
+        # slot is evicted (the engine sets it when it has L3)
+        self.host_evict_hook = None
         self.host_counters = dict(loads=0, loaded_handles=0, failed_loads=0, written_handles=0,
                                   skipped_writes=0, written_back=0, staged_from_storage=0, adopted=0)
         if host_pools is not None:
@@ -209,22 +212,23 @@ class UnifiedRadixCache:
         self.sync_loads()  # a page being loaded is locked, but its copy must end before reuse
         if self.host_pools is None or self.write_policy != "write_back":
             return self.tree.evict_counts(want)
-        short = [max(0, k - hp.available) for k, hp in zip(want, self.host_pools)]
-        if any(short):
-            self._free_outs(self.tree.evict_counts(short, host=True))
         return self.tree.evict_counts(want, backup=self._write_back)
 
     def _write_back(self, nd, ci: int):
-        """The tree's backup hook: copy slot (nd, ci) to free host handles, or None."""
+        """The tree's backup hook: copy slot (nd, ci) to host handles (evicting host data
+        to make room), or None when the host cannot take it."""
         v = nd.value[ci]
-        hp = self.host_pools[ci]
-        if hp.available < len(v):
+        need = [0] * len(self.pools)
+        need[ci] = len(v)
+        got = self._alloc_host(need)
+        if got is None or not nd.attached or nd.value[ci] is not v:
+            if got is not None:
+                self.host_pools[ci].free(got[ci])
             self.host_counters["skipped_writes"] += len(v)
             return None
-        h = hp.alloc(len(v))
-        copy_handles(self.pools[ci], v, hp, h)
+        copy_handles(self.pools[ci], v, self.host_pools[ci], got[ci])
         self.host_counters["written_back"] += len(v)
-        return h
+        return got[ci]
 
     def _free_host(self, host_outs) -> None:
         """Return host handles the tree gave back (by component index)."""
@@ -250,7 +254,7 @@ class UnifiedRadixCache:
         if any(short):
             self.sync_loads()
             # a node that goes whole gives back its device handles too
-            self._free_outs(self.tree.evict_counts(short, host=True))
+            self._free_outs(self.tree.evict_counts(short, host=True, backup=self.host_evict_hook))
             if any(k > hp.available for k, hp in zip(need, hps)):
                 return None
         return [hp.alloc(k) if k else None for k, hp in zip(need, hps)]

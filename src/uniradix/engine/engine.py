@@ -149,6 +149,8 @@ class Engine:
                 raise ValueError(f"storage_prefetch_threshold must be >= 0, got {storage_prefetch_threshold}")
             self.l3 = L3Store(self.cache, storage, StorageNamespace.for_model(self.cfg, page_size, rank))
             self.storage_threshold = max(storage_prefetch_threshold, 1)
+            if hicache_write_policy == "write_back" and self.hierarchical:
+                self.cache.host_evict_hook = self._write_back_node
 
     # ------------------------------------------------------------------ requests in
     def submit(self, req: Request) -> Request:
@@ -512,8 +514,22 @@ class Engine:
         else:
             self.cache.release(creq)
 
+    def _write_back_node(self, nd, ci: int) -> None:
+        """The host tier is about to lose what node nd holds only there: write it to L3
+        first (write_back). A failing store costs only that reuse."""
+        from ..hicache import StorageUnavailable
+        try:
+            self.counters["storage_saved_objects"] += self.l3.save_host_node(nd)
+        except StorageUnavailable:
+            self.counters["storage_errors"] += 1
+        except Exception:
+            log.exception("L3 write-back failed")
+            self.counters["storage_errors"] += 1
+
     def _write_through(self, seq: _Seq) -> None:
         from ..hicache import StorageUnavailable
+        if self.cache.host_evict_hook is not None:
+            return  # write_back: L3 gets what the host tier evicts
         self.cache.sync_loads()  # the path may hold pages a load is still filling
         try:
             self.counters["storage_saved_objects"] += self.l3.save_cached(

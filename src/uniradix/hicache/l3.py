@@ -10,12 +10,17 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from ..tree import encode
+from array import array
+
+from ..tree import decode, encode
 from .codec import (handle_nbytes, read_handles, read_sidecar_rows, sidecar_row_nbytes, write_handles,
                     write_sidecar_rows)
 from .keys import StorageNamespace, component_key, page_keys
 from .objects import CorruptObject, pack_object, unpack_object
 from .storage import StorageBackend
+
+
+_NEG = array("i", (-1,))
 
 
 @dataclass
@@ -90,16 +95,20 @@ class L3Store:
         return True
 
     # ------------------------------------------------------------------ save
-    def save(self, tokens, pages: dict, checkpoints: dict | None = None, salt=None) -> int:
+    def save(self, tokens, pages: dict, checkpoints: dict | None = None, salt=None,
+             pools: list | None = None) -> int:
         """Write what the store lacks: for each page component the pages of `pages[name]`
         that are present (>= 0), their sidecar rows, and checkpoint slots at their
-        page-aligned positions. Returns the objects written."""
+        page-aligned positions. The handles index `pools` (by component index; default
+        the cache's device pools; the host pools for a write-back from the host tier).
+        Returns the objects written."""
+        pools = self.cache.pools if pools is None else pools
         ns = self._ns(salt)
         seed = ns.seed()
         keys = page_keys(tokens, ns)
         out_k, out_v = [], []
         for c in self.comps:
-            pool = self.cache.pools[c.index]
+            pool = pools[c.index]
             hs = pages.get(c.name)
             if hs is None:
                 continue
@@ -118,7 +127,7 @@ class L3Store:
                 out_k += sks
                 out_v += [pack_object(k, b, seed) for k, b in zip(sks, read_sidecar_rows(sc, handles))]
         if self.ckpt is not None and checkpoints:
-            pool = self.cache.pools[self.ckpt.index]
+            pool = pools[self.ckpt.index]
             pos = [p for p in sorted(checkpoints) if p % self.P == 0 and 0 < p <= len(keys) * self.P]
             ks = [component_key(keys[p // self.P - 1], self.ckpt.name) for p in pos]
             pos, ks = self._missing(pos, ks)
@@ -162,6 +171,30 @@ class L3Store:
                 if v is not None:
                     ckpts[nd.end] = v[0]
         return self.save(list(tokens)[:path[-1].end], pages, ckpts, salt)
+
+    def save_host_node(self, nd) -> int:
+        """Write-back from the host tier: what node `nd` holds only on the host (its
+        pages, its checkpoint) goes to the store before the host lets go of it."""
+        tree = self.cache.tree
+        root = nd
+        while root.parent is not None:
+            root = root.parent
+        salt = next((k for k, r in tree.roots.items() if r is root), None)
+        path = nd.path()
+        tokens = decode(b"".join(x.key for x in path))
+        P = self.P
+        pages, ckpts = {}, {}
+        for c in self.comps:
+            h = nd.host[c.index]
+            if h is not None and nd.value[c.index] is None:
+                pages[c.name] = _NEG * (nd.start // P) + h
+        if self.ckpt is not None:
+            h = nd.host[self.ckpt.index]
+            if h is not None and nd.value[self.ckpt.index] is None:
+                ckpts[nd.end] = h[0]
+        if not pages and not ckpts:
+            return 0
+        return self.save(tokens, pages, ckpts, salt, pools=self.cache.host_pools)
 
     def _missing(self, pos, ks):
         keep = [(p, k) for p, k in zip(pos, ks) if self.backend.batch_exists([k]) == 0]

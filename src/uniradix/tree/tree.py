@@ -629,10 +629,11 @@ class RadixTree:
 
     def evict_counts(self, want: list[int], host: bool = False, backup=None) -> list[array]:
         """evict() (or evict_host()) by component index: the freed handles, device ones
-        at [index] and host ones at [nc + index]. `backup(node, ci)` (device eviction,
-        write-back): called for a slot the host has no copy of; host handles it returns
-        (already holding the data) become the copy and the slot only leaves the device;
-        None: the slot goes as without a host tier."""
+        at [index] and host ones at [nc + index]. `backup(node, ci)` is the write-back
+        hook. Device eviction: called for a slot the host has no copy of; host handles it
+        returns (already holding the data) become the copy and the slot only leaves the
+        device; None: the slot goes as without a host tier. Host eviction: called before
+        a host-only slot is lost (to write it to the tier below); its result is unused."""
         nc = self.nc
         outs = self._outs()
         for ci, k in enumerate(want):
@@ -645,9 +646,16 @@ class RadixTree:
                     if nd.value[ci] is not None:  # the device keeps it: only the copy goes
                         self._drop(nd, ci, True, out)
                         continue
+                    if backup is not None:
+                        backup(nd, ci)
                 else:
                     if nd.host[ci] is None and backup is not None:
-                        h = backup(nd, ci)
+                        v = nd.value[ci]
+                        h = backup(nd, ci)  # it may evict host data to make room
+                        if not nd.attached or nd.value[ci] is not v:
+                            if h is not None:
+                                outs[nc + ci] += h  # nd went meanwhile: the copy is not needed
+                            continue
                         if h is not None:
                             self._attach(nd, ci, h, True)
                     if nd.host[ci] is not None:  # the host keeps it: the node stays
