@@ -16,7 +16,7 @@ from array import array
 
 from .hicache.transfer import CopyJob, LayerwiseLoad
 from .memory.host import copy_handles
-from .tree import CheckpointComponent, LockReceipt, RadixTree, encode
+from .tree import CheckpointComponent, EvictResult, Freed, LockReceipt, RadixTree, encode
 from .tree.component import page_floor
 
 _NEG = array("i", (-1,))
@@ -166,6 +166,7 @@ class UnifiedRadixCache:
                     f"{tree.evictable(name)} evictable; the rest is locked by running requests")
         got: list = [None] * len(need)
         nc = len(need)
+        before = [(pools[ci].available, tree.size[ci] - tree.locked[ci]) for ci in range(nc)]
         outs = self._evict_device(short)
         for ci, h in enumerate(outs[:nc]):
             k = need[ci]
@@ -182,9 +183,11 @@ class UnifiedRadixCache:
                     if h:
                         pools[cj].free(h)
                 name = self.names[ci]
+                free0, evictable0 = before[ci]
                 raise CacheFull(
-                    f"cannot allocate {k} {name} handles: {pools[ci].available + have} free and "
-                    f"{self.tree.evictable(name)} evictable; the rest is locked by running requests")
+                    f"cannot allocate {k} {name} handles: {free0} free and {evictable0} unlocked in "
+                    f"the tree, of which eviction could free {pools[ci].available + have - free0}; "
+                    f"the rest is locked by running requests")
         for ci, k in enumerate(need):
             if not k:
                 continue
@@ -207,16 +210,20 @@ class UnifiedRadixCache:
         return ev
 
     def _evict_device(self, want: list[int]) -> list[array]:
-        """tree.evict_counts for the device tier; with write_back, what leaves the
-        device is copied to the host first (room is made there beforehand)."""
+        """tree.evict_counts for the device tier, with the host tier's backup hook."""
         self.sync_loads()  # a page being loaded is locked, but its copy must end before reuse
-        if self.host_pools is None or self.write_policy != "write_back":
+        if self.host_pools is None:
             return self.tree.evict_counts(want)
-        return self.tree.evict_counts(want, backup=self._write_back)
+        return self.tree.evict_counts(want, backup=self._back_up)
 
-    def _write_back(self, nd, ci: int):
-        """The tree's backup hook: copy slot (nd, ci) to host handles (evicting host data
-        to make room), or None when the host cannot take it."""
+    def _back_up(self, nd, ci: int):
+        """The tree's backup hook, for a slot leaving the device with no host copy: with
+        write_back, copy it to host handles (evicting host data to make room). Under the
+        other policies only FULL of a node with children is copied: its children live on
+        the host alone, and without a copy it could never leave the device. None when
+        the slot goes without a copy."""
+        if self.write_policy != "write_back" and not (ci == 0 and nd.children):
+            return None
         v = nd.value[ci]
         need = [0] * len(self.pools)
         need[ci] = len(v)
@@ -260,8 +267,14 @@ class UnifiedRadixCache:
         return [hp.alloc(k) if k else None for k, hp in zip(need, hps)]
 
     def evict(self, **targets: int):
-        """Evict explicitly (e.g. to make room ahead of time); returns the EvictResult."""
-        return self._evict(**targets)
+        """Evict explicitly (e.g. to make room ahead of time), as a shortfall would (with
+        the host tier's write-back); returns the EvictResult."""
+        tree = self.tree
+        removed0, tomb0 = tree.removed_nodes, sum(tree.tombstones)
+        outs = self._evict_device(tree._targets(targets))
+        self._free_outs(outs)
+        return EvictResult(Freed(tree.names, outs), tree.removed_nodes - removed0,
+                           sum(tree.tombstones) - tomb0)
 
     def _give_back(self, freed) -> None:
         """Free what the tree let go of: device handles, and host ones (`freed.host`)."""

@@ -342,6 +342,7 @@ class Engine:
                 self.counters["storage_errors"] += 1
                 got = None
             if got is not None:
+                self.cache.sync_loads()  # a host load into the same state slot ends first
                 # through the host tier when there is one (loaded layer by layer under the
                 # forward); else, or when the host is full, straight into the device pages
                 if self.hierarchical and self.cache.stage_fetched(creq, got):
@@ -362,7 +363,9 @@ class Engine:
              return_when=FIRST_COMPLETED)
 
     def close(self) -> None:
-        """Stop the I/O threads (the store itself belongs to the caller)."""
+        """Stop the I/O threads and wait for host loads (the store itself belongs to the
+        caller)."""
+        self.cache.sync_loads()
         if self._io is not None:
             self._io.shutdown(wait=True, cancel_futures=True)
             self._io = None
