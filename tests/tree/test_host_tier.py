@@ -270,3 +270,32 @@ def test_host_copies_count_in_the_boundary_reference():
             assert m.boundary == exp.boundary, (trial, m.boundary, exp.boundary)
             for ci, nd in m.loads:
                 assert nd.value[ci] is None and nd.host[ci] is not None
+
+
+def test_write_back_offers_an_internal_full_slot_a_plain_eviction_skipped():
+    """An internal node whose children all went host-only may leave the device once a
+    write-back backs it up. A plain eviction (or a declining write-back) that passes over
+    it must not take it off the eviction list: the next write-back eviction has to offer
+    it, or its device pages stay stuck although nothing pins them."""
+    t, hs = hybrid(), Handles()
+    A = seq(8)
+    B = A[:4] + seq(4, base=500)
+    for toks in (A, B):
+        r = insert(t, hs, toks, ckpts=(8,))
+        for ci, nd in t.unbacked(r.node):
+            if nd.start >= 4:  # back up the two leaves, not their parent [0, 4)
+                t.set_host(nd, ci, hs.hosted(len(nd.value[ci])))
+    (x,) = [nd for nd in t.nodes() if nd.end == 4]
+    assert len(x.children) == 2
+    t.evict(full_pages=100)  # the leaves go host-only; x has no device FULL below it now
+    assert x.value[0] is not None and x.host[0] is None and not x.locks[0]
+    asked = []
+
+    def backup(nd, ci):
+        asked.append((ci, nd))
+        return hs.hosted(len(nd.value[ci]))
+
+    outs = t.evict_counts([100, 0, 0], backup=backup)
+    assert (0, x) in asked
+    assert x.value[0] is None and x.host[0] is not None and len(outs[0]) == 4
+    audit(t)

@@ -636,6 +636,7 @@ class RadixTree:
         a host-only slot is lost (to write it to the tier below); its result is unused."""
         nc = self.nc
         outs = self._outs()
+        kept = []  # FULL over host-only children that no backup took: listed again after
         for ci, k in enumerate(want):
             out = outs[nc + ci] if host else outs[ci]
             while len(out) < k:
@@ -663,7 +664,8 @@ class RadixTree:
                         self._drop(nd, ci, False, out)
                         continue
                     if ci == 0 and nd.children:
-                        continue  # over host-only children and not backed up: it stays
+                        kept.append(nd)  # over host-only children and not backed up: it stays
+                        continue
                 # the slot's last copy goes
                 if ci == 0 or not (nd.children or any(nd.locks)):
                     parent = nd.parent
@@ -671,6 +673,8 @@ class RadixTree:
                     self._prune_up(parent, outs)
                 else:  # internal, or a leaf whose other data is locked: only this slot goes
                     self._tombstone(nd, ci, outs)
+        for nd in kept:
+            self._place(0, nd)
         for ci in range(nc):
             self.evicted[ci] += len(outs[ci])
             self.host_evicted[ci] += len(outs[nc + ci])
