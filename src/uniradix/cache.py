@@ -166,7 +166,6 @@ class UnifiedRadixCache:
                     f"{tree.evictable(name)} evictable; the rest is locked by running requests")
         got: list = [None] * len(need)
         nc = len(need)
-        before = [(pools[ci].available, tree.size[ci] - tree.locked[ci]) for ci in range(nc)]
         outs = self._evict_device(short)
         for ci, h in enumerate(outs[:nc]):
             k = need[ci]
@@ -183,11 +182,10 @@ class UnifiedRadixCache:
                     if h:
                         pools[cj].free(h)
                 name = self.names[ci]
-                free0, evictable0 = before[ci]
                 raise CacheFull(
-                    f"cannot allocate {k} {name} handles: {free0} free and {evictable0} unlocked in "
-                    f"the tree, of which eviction could free {pools[ci].available + have - free0}; "
-                    f"the rest is locked by running requests")
+                    f"cannot allocate {k} {name} handles: {pools[ci].available + have} free after "
+                    f"evicting what the tree could give up; the rest of the {pools[ci].size} is held "
+                    f"by running requests")
         for ci, k in enumerate(need):
             if not k:
                 continue

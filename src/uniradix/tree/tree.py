@@ -186,17 +186,18 @@ class RadixTree:
         """An access: LRU ticks root to leaf (deeper is newer), LFU hits, request priority."""
         clock = self.clock
         queues = self._queues
+        slots = range(2 * self.nc if self.hosted else self.nc)  # host queues only once used
         for nd in path:
             clock += 1
             nd.tick = clock
             nd.hits += 1
             if priority is not None and priority > nd.priority:
                 nd.priority = priority  # before the queues see the node: it is in their key
-            ci = 0
-            for tier in nd.where:
+            where = nd.where
+            for ci in slots:
+                tier = where[ci]
                 if tier:
                     queues[ci][tier].touch(nd)
-                ci += 1
         self.clock = clock
 
     # ------------------------------------------------------------------ split
