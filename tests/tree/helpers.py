@@ -308,11 +308,16 @@ def check_locks(tree, live) -> None:
 
 def check_useful_leaves(tree) -> None:
     """DESIGN §3, useless leaves go: every leaf that no lock holds can serve a valid
-    boundary at its own end (each component accepts it, by the brute-force rule)."""
+    boundary at its own end (each component accepts it, by the brute-force rule under
+    the leaf's own salt, with data in either memory tier: a host-only slot can be loaded)."""
+    salt_of = {id(r): s for s, r in tree.roots.items()}
     for nd in all_nodes(tree):
         if nd.children or nd.locks[0]:
             continue
         toks = node_tokens(nd)
-        exp = brute_force(tree, toks)
+        root = nd
+        while root.parent is not None:
+            root = root.parent
+        exp = brute_force(tree, toks, salt_of[id(root)], either_tier=True)
         assert exp.matched == nd.end
         assert exp.boundary == nd.end, f"useless unlocked leaf {nd}: deepest {exp.deepest}"

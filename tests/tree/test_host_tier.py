@@ -299,3 +299,31 @@ def test_write_back_offers_an_internal_full_slot_a_plain_eviction_skipped():
     assert (0, x) in asked
     assert x.value[0] is None and x.host[0] is not None and len(outs[0]) == 4
     audit(t)
+
+
+def test_write_back_offers_an_internal_full_slot_whose_last_device_child_went_whole():
+    """Like the test above, but the parent's last child with FULL on the device leaves by
+    going whole (it had no host copy) while a host-only sibling stays: the parent may now
+    leave the device through a write-back, so the next write-back eviction must offer it."""
+    t, hs = hybrid(), Handles()
+    A = seq(8)
+    B = A[:4] + seq(4, base=500)
+    ra = insert(t, hs, A, ckpts=(8,))
+    for ci, nd in t.unbacked(ra.node):
+        if nd.start >= 4:  # back up A's leaf only
+            t.set_host(nd, ci, hs.hosted(len(nd.value[ci])))
+    insert(t, hs, B, ckpts=(8,))  # B's leaf: on the device only
+    (x,) = [nd for nd in t.nodes() if nd.end == 4]
+    t.evict(full_pages=8)  # A's leaf goes host-only (older), then B's leaf goes whole
+    assert len(x.children) == 1 and next(iter(x.children.values())).value[0] is None
+    assert x.value[0] is not None and x.host[0] is None and not x.locks[0]
+    asked = []
+
+    def backup(nd, ci):
+        asked.append((ci, nd))
+        return hs.hosted(len(nd.value[ci]))
+
+    outs = t.evict_counts([100, 0, 0], backup=backup)
+    assert (0, x) in asked
+    assert x.value[0] is None and x.host[0] is not None and len(outs[0]) == 4
+    audit(t)

@@ -715,10 +715,13 @@ class RadixTree:
         nd.attached = False
         self.removed_nodes += 1
         self.num_nodes -= 1
-        if not parent.children and parent.parent is not None:
-            self._place(0, parent)
-            if self.hosted:
-                self._place(0, parent, True)
+        if parent.parent is not None:
+            if not parent.children:
+                self._place(0, parent)
+                if self.hosted:
+                    self._place(0, parent, True)
+            elif self.hosted:  # its last child with device FULL may have gone
+                self._place(0, parent)
 
     def _prune_up(self, nd: Node, outs: list[array]) -> Node:
         """Remove nd and its ancestors while each is an unlocked useless leaf; returns
