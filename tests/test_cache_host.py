@@ -21,6 +21,8 @@ from uniradix.memory import KVPool, MambaStatePool, SidecarPool, host_mirror
 from uniradix.model import preset
 from uniradix.tree import FullComponent, MambaComponent, RadixTree, SWAComponent, encode
 
+from test_cache import own_handles  # tests/: what a running request owns
+
 WINDOW = 8  # tokens: two pages at page size 4, eight at page size 1
 LAYERS = {"full": [0, 3], "swa": [1], "mamba": [2]}
 
@@ -147,14 +149,6 @@ def _tree_held(cache, host):
             if v is not None:
                 out[c.name].update(v)
     return out
-
-
-def own_handles(cache, req, name):
-    P = cache.page_size
-    if name in req.pages:
-        return [h for h in req.pages[name][req.prefix_len // P:] if h >= 0]
-    slots = list(req.checkpoints.values())
-    return slots + ([req.state_slot] if req.state_slot is not None else [])
 
 
 def own_host_handles(cache, req, name):

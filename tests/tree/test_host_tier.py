@@ -272,6 +272,21 @@ def test_host_copies_count_in_the_boundary_reference():
                 assert nd.value[ci] is None and nd.host[ci] is not None
 
 
+def write_back_takes(t, hs, x):
+    """A write-back eviction of every FULL page is offered x, backs it up, and x leaves
+    the device (its 4 pages)."""
+    asked = []
+
+    def backup(nd, ci):
+        asked.append((ci, nd))
+        return hs.hosted(len(nd.value[ci]))
+
+    outs = t.evict_counts([100, 0, 0], backup=backup)
+    assert (0, x) in asked
+    assert x.value[0] is None and x.host[0] is not None and len(outs[0]) == 4
+    audit(t)
+
+
 def test_write_back_offers_an_internal_full_slot_a_plain_eviction_skipped():
     """An internal node whose children all went host-only may leave the device once a
     write-back backs it up. A plain eviction (or a declining write-back) that passes over
@@ -289,16 +304,7 @@ def test_write_back_offers_an_internal_full_slot_a_plain_eviction_skipped():
     assert len(x.children) == 2
     t.evict(full_pages=100)  # the leaves go host-only; x has no device FULL below it now
     assert x.value[0] is not None and x.host[0] is None and not x.locks[0]
-    asked = []
-
-    def backup(nd, ci):
-        asked.append((ci, nd))
-        return hs.hosted(len(nd.value[ci]))
-
-    outs = t.evict_counts([100, 0, 0], backup=backup)
-    assert (0, x) in asked
-    assert x.value[0] is None and x.host[0] is not None and len(outs[0]) == 4
-    audit(t)
+    write_back_takes(t, hs, x)
 
 
 def test_write_back_offers_an_internal_full_slot_whose_last_device_child_went_whole():
@@ -317,13 +323,4 @@ def test_write_back_offers_an_internal_full_slot_whose_last_device_child_went_wh
     t.evict(full_pages=8)  # A's leaf goes host-only (older), then B's leaf goes whole
     assert len(x.children) == 1 and next(iter(x.children.values())).value[0] is None
     assert x.value[0] is not None and x.host[0] is None and not x.locks[0]
-    asked = []
-
-    def backup(nd, ci):
-        asked.append((ci, nd))
-        return hs.hosted(len(nd.value[ci]))
-
-    outs = t.evict_counts([100, 0, 0], backup=backup)
-    assert (0, x) in asked
-    assert x.value[0] is None and x.host[0] is not None and len(outs[0]) == 4
-    audit(t)
+    write_back_takes(t, hs, x)
