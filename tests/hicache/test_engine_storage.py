@@ -190,6 +190,35 @@ def test_two_engines_over_one_redis(redis_url, name):
     b.l3.backend.clear()
 
 
+@pytest.mark.parametrize("name", ["tiny-hybrid", "jamba-like"])
+def test_two_engines_over_one_mooncake_store(mooncake_shared, mooncake_srv, name):
+    """Two engines, each with its own Mooncake client on one master: the second reuses
+    what the first wrote. Neither client lends memory, so the objects sit in the
+    session's client's segment and outlive the first engine's client."""
+    from backend_contract import MOONCAKE_SIZES
+
+    from uniradix.hicache.backends.mooncake import MooncakeBackend
+    cfg = {"master": mooncake_srv.address, "prefix": f"two-engines-{name}:", **MOONCAKE_SIZES,
+           "global_segment_size": 0}
+    first = MooncakeBackend(cfg)
+    a = engine(name, 4, first)
+    reqs, nxt = conversation(a, random.Random(8))
+    a.close()
+    first.close()
+    second = MooncakeBackend(cfg)
+    try:
+        b = engine(name, 4, second)
+        r = greedy(nxt, 4)
+        b.run([r])
+        check_exact(b, r)
+        last = reqs[-1]
+        assert r.metrics.storage_tokens == page_floor(len(last.input_ids) + len(last.output_ids) - 1, 4)
+        b.close()
+        second.clear()
+    finally:
+        second.close()
+
+
 class Gated(FileBackend):
     """A store whose reads wait until the test opens the gate: a slow backend with no clock."""
 
