@@ -340,7 +340,8 @@ class UnifiedRadixCache:
             if own:
                 pages[c.name] += own
         req = CachedRequest(key, salt, priority, b, m.matched, pages, rc, m.node)
-        req.host_tokens = m.host_tokens
+        if m.loads:
+            req.host_tokens = m.host_tokens
         if self.ckpt is not None:
             slot = got[self.ckpt.index][0]
             src = handles[self.ckpt.name]
@@ -441,6 +442,8 @@ class UnifiedRadixCache:
     def sync_loads(self) -> None:
         """Wait for every pending load to end (before device data is read other than by
         the forward, or a loaded page could be reused)."""
+        if not self.pending_loads:
+            return
         loads, self.pending_loads = self.pending_loads, []
         for ld in loads:
             ld.wait_all()
@@ -681,7 +684,8 @@ class UnifiedRadixCache:
         marks = (req.matched, *req.resume_points) if req.resume_points else req.matched
         r = self.tree.insert(req.key, values, req.prefix_len, marks, req.salt, req.priority,
                              not finished)
-        self._free_outs(r.outs)
+        if any(r.outs):
+            self._free_outs(r.outs)
         node = r.node
         req.prefix_len = n
         if finished:

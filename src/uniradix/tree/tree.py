@@ -474,7 +474,12 @@ class RadixTree:
                 else:  # references may have changed while locked: re-rank
                     if v is not None:
                         self.locked[ci] -= len(v)
-                        self._place(ci, nd)
+                        if ci or not nd.children:  # the common case, inline
+                            tier = 2 if nd.refs[ci] else 1
+                            if tier == 2 or nd.where[ci] != tier:
+                                self.lists[ci].place(nd, tier)
+                        else:
+                            self._place(ci, nd)
                     if h is not None:
                         self.host_locked[ci] -= len(h)
                         self._place(ci, nd, True)
@@ -558,7 +563,7 @@ class RadixTree:
             v, other = nd.value[ci], nd.host[ci]
         if v is None or not nd.attached or nd.locks[ci]:
             return False
-        if ci or other is not None or not nd.children:
+        if ci or not nd.children or other is not None:
             return True
         if host:
             return False
