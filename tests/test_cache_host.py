@@ -104,6 +104,20 @@ def scribble(p):
             t.fill_(-7)
 
 
+def same_as_served(cache, r, n: int, data: dict, state) -> None:
+    """The request's device pages of [0, n) (FULL, and the SWA ones it has) and its state
+    slot hold exactly the bytes served earlier (`data[(name, page)]`, `state`)."""
+    P = cache.page_size
+    for name in ("full", "swa"):
+        if name not in r.pages:
+            continue
+        for i, h in enumerate(r.pages[name][:n // P]):
+            if h >= 0:
+                same(rows(pool(cache, name), [h]), data[(name, i)])
+    if state is not None:
+        same(rows(pool(cache, "mamba"), [r.state_slot]), state)
+
+
 def same(a, b):
     assert len(a) == len(b)
     for x, y in zip(a, b):
@@ -297,12 +311,7 @@ def test_partial_load_device_front_host_tail(page):
     r = cache.match_prefix(T + [5], alloc=False)
     cache.sync_loads()
     assert r.prefix_len == full_len and r.host_tokens == full_len - front
-    for name in ("full", "swa"):
-        p = pool(cache, name)
-        for i, h in enumerate(r.pages[name]):
-            if h >= 0:
-                same(rows(p, [h]), data[(name, i)])
-    same(rows(pool(cache, "mamba"), [r.state_slot]), state)
+    same_as_served(cache, r, full_len, data, state)
     audit(cache, [r])
     cache.release(r)
     audit(cache)
@@ -332,12 +341,7 @@ def test_write_back_round_trips_byte_exact():
     r = cache.match_prefix(A + [1], alloc=True)
     cache.sync_loads()
     assert r.prefix_len == len(A) and r.host_tokens == len(A)
-    for name in ("full", "swa"):
-        p = pool(cache, name)
-        for i, h in enumerate(r.pages[name][:len(A) // page]):
-            if h >= 0:
-                same(rows(p, [h]), data[(name, i)])
-    same(rows(pool(cache, "mamba"), [r.state_slot]), state)
+    same_as_served(cache, r, len(A), data, state)
     audit(cache, [r])
     cache.release(r)
     flush_all(cache)
@@ -542,14 +546,7 @@ def test_host_pressure_evicts_host_copies_and_host_only_nodes_without_leaks(poli
         r = cache.match_prefix(s + [1], alloc=True)
         cache.sync_loads()
         assert r.prefix_len == len(s)
-        for name in ("full", "swa"):
-            if name not in r.pages:
-                continue
-            for j, h in enumerate(r.pages[name][:len(s) // page]):
-                if h >= 0:
-                    same(rows(pool(cache, name), [h]), data[(name, j)])
-        if state is not None:
-            same(rows(pool(cache, "mamba"), [r.state_slot]), state)
+        same_as_served(cache, r, len(s), data, state)
         audit(cache, [r])
         cache.release(r)
     audit(cache)
