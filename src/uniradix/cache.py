@@ -16,7 +16,7 @@ from array import array
 
 from .hicache.transfer import CopyJob, LayerwiseLoad
 from .memory.host import copy_handles
-from .tree import CheckpointComponent, EvictResult, Freed, LockReceipt, RadixTree, encode
+from .tree import CheckpointComponent, LockReceipt, RadixTree, encode
 from .tree.component import page_floor
 
 _NEG = array("i", (-1,))
@@ -210,9 +210,11 @@ class UnifiedRadixCache:
     def _evict_device(self, want: list[int]) -> list[array]:
         """tree.evict_counts for the device tier, with the host tier's backup hook."""
         self.sync_loads()  # a page being loaded is locked, but its copy must end before reuse
-        if self.host_pools is None:
-            return self.tree.evict_counts(want)
-        return self.tree.evict_counts(want, backup=self._back_up)
+        return self.tree.evict_counts(want, backup=self._backup_hook)
+
+    @property
+    def _backup_hook(self):
+        return self._back_up if self.host_pools is not None else None
 
     def _back_up(self, nd, ci: int):
         """The tree's backup hook, for a slot leaving the device with no host copy: with
@@ -267,12 +269,11 @@ class UnifiedRadixCache:
     def evict(self, **targets: int):
         """Evict explicitly (e.g. to make room ahead of time), as a shortfall would (with
         the host tier's write-back); returns the EvictResult."""
+        self.sync_loads()
         tree = self.tree
-        removed0, tomb0 = tree.removed_nodes, sum(tree.tombstones)
-        outs = self._evict_device(tree._targets(targets))
-        self._free_outs(outs)
-        return EvictResult(Freed(tree.names, outs), tree.removed_nodes - removed0,
-                           sum(tree.tombstones) - tomb0)
+        ev = tree._evict_result(tree._targets(targets), False, self._backup_hook)
+        self._give_back(ev.freed)
+        return ev
 
     def _give_back(self, freed) -> None:
         """Free what the tree let go of: device handles, and host ones (`freed.host`)."""

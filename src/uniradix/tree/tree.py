@@ -627,9 +627,9 @@ class RadixTree:
             want[ci] = v
         return want
 
-    def _evict_result(self, want: list[int], host: bool) -> EvictResult:
+    def _evict_result(self, want: list[int], host: bool, backup=None) -> EvictResult:
         removed0, tomb0 = self.removed_nodes, sum(self.tombstones)
-        outs = self.evict_counts(want, host)
+        outs = self.evict_counts(want, host, backup)
         return EvictResult(Freed(self.names, outs), self.removed_nodes - removed0,
                            sum(self.tombstones) - tomb0)
 
