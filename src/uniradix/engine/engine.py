@@ -28,7 +28,6 @@ from .sampling import sample
 log = logging.getLogger("uniradix.engine")
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 class _Seq:
@@ -99,9 +98,6 @@ class Engine:
         self.weights = _to(w, self.device)
         if max_mamba_cache_size is None:
             max_mamba_cache_size = 4 * max_running_requests + 64
-        if hicache_write_policy not in WRITE_POLICIES:
-            raise ValueError(f"unknown write policy {hicache_write_policy!r}; choose one of "
-                             f"{', '.join(WRITE_POLICIES)}")
         if hicache_write_policy == "write_back" and not enable_hierarchical_cache:
             raise ValueError("write policy write_back (--hicache-write-policy) writes on eviction from the host "
                              "tier: it needs --enable-hierarchical-cache")
@@ -136,9 +132,6 @@ class Engine:
                         ("max", prefetch_timeout_max)):
             if v < 0:
                 raise ValueError(f"prefetch_timeout_{name} must be >= 0, got {v}")
-        if write_through_threshold < 1:
-            raise ValueError(f"write_through_threshold must be at least 1, got {write_through_threshold}")
-        self.write_min_hits = write_through_threshold if hicache_write_policy == "write_through_selective" else 0
         self.prefetch_policy = storage_prefetch_policy
         self.prefetch_timeouts = dict(base=prefetch_timeout_base, per_ki_token=prefetch_timeout_per_ki_token,
                                       max=prefetch_timeout_max)
@@ -536,7 +529,7 @@ class Engine:
         self.cache.sync_loads()  # the path may hold pages a load is still filling
         try:
             self.counters["storage_saved_objects"] += self.l3.save_cached(
-                seq.tokens[:seq.computed], seq.req.salt, self.write_min_hits)
+                seq.tokens[:seq.computed], seq.req.salt, self.cache.write_min_hits)
         except StorageUnavailable:
             self.counters["storage_errors"] += 1
         except Exception:  # the request is cached and done; the store only missed a write
