@@ -13,8 +13,7 @@ class Freed(dict):
     def __init__(self, names: list[str], outs: list[array]) -> None:
         nc = len(names)
         super().__init__(zip(names, outs[:nc]))
-        self.host = dict(zip(names, outs[nc:2 * nc])) if len(outs) > nc else \
-            {n: array("i") for n in names}
+        self.host = dict(zip(names, outs[nc:]))
 
 
 @dataclass(slots=True)
