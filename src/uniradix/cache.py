@@ -17,6 +17,7 @@ from array import array
 from .hicache.transfer import CopyJob, LayerwiseLoad
 from .memory.host import copy_handles
 from .tree import CheckpointComponent, LockReceipt, RadixTree, encode
+from .tree.keys import check_priority, check_session_id, salt_key
 from .tree.component import page_floor
 
 _NEG = array("i", (-1,))
@@ -294,6 +295,8 @@ class UnifiedRadixCache:
         pages for all of `tokens` in the same step (what alloc_request would do), so an
         eviction made for one component hands its other freed pages straight over.
         On CacheFull nothing stays locked or allocated."""
+        check_priority(priority)  # before the tree sees them: a bad one fails here, nothing held
+        salt_key(salt)
         key = tokens if isinstance(tokens, bytes) else encode(tokens)
         m = self.tree.match(key, salt, priority, lock=True)
         if m.loads:
@@ -303,9 +306,12 @@ class UnifiedRadixCache:
                 self.host_counters["failed_loads"] += 1
                 self._unlock(m.receipt)
                 m = self.tree.match(key, salt, priority, lock=True, host=False)
+            except BaseException:
+                self._unlock(m.receipt)
+                raise
         try:
             return self._start_request(key, m, salt, priority, alloc)
-        except CacheFull:
+        except BaseException:
             self._unlock(m.receipt)
             raise
 
@@ -624,6 +630,7 @@ class UnifiedRadixCache:
         """Insert the finished request, free what the tree did not keep, release its
         lock; with a session id, reference what the next turn will reuse. Returns the
         node the request ends at."""
+        check_session_id(session_id)  # before the insert: a bad id changes nothing
         node, _ = self._insert(req, finished=True)
         self._unlock(req.receipt)
         req.done = True

@@ -91,9 +91,7 @@ class Engine:
             raise ValueError(f"chunked_prefill_size must be at least 1, got {chunked_prefill_size}")
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be at least 1, got {max_running_requests}")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda asked for, but torch sees no CUDA device")
+        self.device = _check_device(device)
         w = init_weights(self.cfg) if weights is None else weights
         self.weights = _to(w, self.device)
         if max_mamba_cache_size is None:
@@ -151,15 +149,11 @@ class Engine:
         never hold finishes at once with status "error" and says why."""
         if req.status != "new":
             raise ValueError(f"request {req.rid} was already submitted")
-        if (req.input_ids is None) == (req.text is None):
-            raise ValueError("give a request exactly one of input_ids or text")
-        ids = self.tokenizer.encode(req.text) if req.text is not None else [int(t) for t in req.input_ids]
+        ids = req.check(self.cfg.vocab_size)
+        if req.text is not None:
+            ids = self.tokenizer.encode(req.text)
         if not ids:
             raise ValueError(f"request {req.rid} has an empty prompt")
-        V = self.cfg.vocab_size
-        bad = [t for t in ids if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"request {req.rid}: token ids must be in [0, {V}), got {bad[:5]}")
         req.input_ids = ids
         req.metrics.prompt_tokens = len(ids)
         req.status = "waiting"
@@ -185,6 +179,28 @@ class Engine:
                         f"({L} prompt + {req.sampling.max_new_tokens} new tokens at page size {P}) "
                         f"and the pool holds {size}; raise max_total_tokens or shorten the request")
         return None
+
+    def _abort(self, seq: _Seq, exc: BaseException, done: list[Request]) -> None:
+        """Something failed inside a step because of this request (a bug, or a field
+        changed after submit): it alone fails, its handles go back, and every other
+        request goes on as if it had never been there."""
+        req = seq.req
+        log.error("request %s failed inside the engine: %s: %s", req.rid, type(exc).__name__, exc,
+                  exc_info=exc)
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        self.prefetching = [p for p in self.prefetching if p[0] is not seq]
+        creq = seq.creq
+        if creq is not None:
+            self._detach(seq)
+            if not creq.done:
+                try:
+                    self.cache.release(creq)
+                except Exception:  # what it holds may leak; the engine keeps serving
+                    log.exception("request %s: its cache handles could not be returned", req.rid)
+        self._fail(req, f"request {req.rid} failed: {type(exc).__name__}: {exc}")
+        done.append(req)
 
     def _fail(self, req: Request, why: str) -> None:
         req.status = "error"
@@ -219,22 +235,48 @@ class Engine:
         that finished (or failed) in this step."""
         done: list[Request] = []
         if self.prefetching:
-            self._poll_prefetches()
+            self._poll_prefetches(done)
         self._admit(done)
         batch = self._schedule(done)
         if not batch and self.prefetching:
             self._wait_for_prefetch()
         if batch:
             self.counters["steps"] += 1
-            inputs = [inp for _, inp in batch]
-            cache = self.cache
-            wait = cache.wait_layer if cache.pending_loads else None  # host loads still copying
-            logits = paged_forward(self.cfg, self.weights, self.pools, inputs, wait_layer=wait)
-            if wait is not None:
-                cache.sync_loads()
-            for (seq, inp), lg in zip(batch, logits):
-                self._advance(seq, inp, lg, done)
+            for (seq, inp), lg in zip(batch, self._forward(batch, done)):
+                if lg is None:
+                    continue
+                try:
+                    self._advance(seq, inp, lg, done)
+                except Exception as e:
+                    self._abort(seq, e, done)
         return done
+
+    def _forward(self, batch: list, done: list[Request]) -> list:
+        """Logits per batch entry. When the batched forward fails, each request runs alone
+        so that only the one that fails is aborted (None in its place); the forward
+        commits recurrent state only once it has run every layer, so a failed attempt
+        leaves no request's state advanced."""
+        cache = self.cache
+        wait = cache.wait_layer if cache.pending_loads else None  # host loads still copying
+        try:
+            logits = paged_forward(self.cfg, self.weights, self.pools, [inp for _, inp in batch],
+                                   wait_layer=wait)
+        except Exception as e:
+            if len(batch) == 1:
+                logits = [None]
+                self._abort(batch[0][0], e, done)
+            else:
+                logits = [self._forward_alone(seq, inp, wait, done) for seq, inp in batch]
+        if wait is not None:
+            cache.sync_loads()
+        return logits
+
+    def _forward_alone(self, seq: _Seq, inp: PagedInput, wait, done: list[Request]):
+        try:
+            return paged_forward(self.cfg, self.weights, self.pools, [inp], wait_layer=wait)[0]
+        except Exception as e:
+            self._abort(seq, e, done)
+            return None
 
     # ------------------------------------------------------------------ admission
     def _admit(self, done: list[Request]) -> None:
@@ -250,15 +292,21 @@ class Engine:
                 self._fail(req, f"request {req.rid} can never fit: {e}")
                 done.append(req)
                 continue
+            except Exception as e:
+                self._abort(seq, e, done)
+                continue
             self.waiting.popleft()
             seq.creq = creq
-            if creq.state_slot is not None and creq.prefix_len == 0:  # nothing to resume: zeros
-                self.pools["mamba"].zero_slots([creq.state_slot])
-            if self.l3 is not None and self.use_cache and \
-                    len(seq.tokens) - 1 - creq.prefix_len >= self.storage_threshold:
-                self._prefetch(seq)
-                continue
-            self._start(seq, creq.prefix_len)
+            try:
+                if creq.state_slot is not None and creq.prefix_len == 0:  # nothing to resume: zeros
+                    self.pools["mamba"].zero_slots([creq.state_slot])
+                if self.l3 is not None and self.use_cache and \
+                        len(seq.tokens) - 1 - creq.prefix_len >= self.storage_threshold:
+                    self._prefetch(seq)
+                    continue
+                self._start(seq, creq.prefix_len)
+            except Exception as e:
+                self._abort(seq, e, done)
 
     def _start(self, seq: _Seq, b: int) -> None:
         """The request resumes at b (its device boundary, or deeper from L3): running."""
@@ -306,47 +354,55 @@ class Engine:
         self.prefetching.append((seq, fut, deadline))
         self.counters["storage_prefetches"] += 1
 
-    def _poll_prefetches(self) -> None:
+    def _poll_prefetches(self, done: list[Request]) -> None:
         """Start the requests whose prefetch finished, failed, or ran out of patience."""
-        from ..hicache import StorageUnavailable
         now = time.perf_counter()
         keep = []
-        for seq, fut, deadline in self.prefetching:
-            if not fut.done():
-                if self.prefetch_policy == "wait_complete":
-                    fut.exception()  # blocks: this policy waits for the store
-                elif self.prefetch_policy == "timeout" and now < deadline:
-                    keep.append((seq, fut, deadline))
-                    continue
-                else:  # best_effort does not wait; timeout gave up: compute instead
-                    fut.cancel()
-                    self.counters["storage_prefetch_abandoned"] += 1
-                    self._start(seq, seq.creq.prefix_len)
-                    continue
-            creq = seq.creq
-            b = creq.prefix_len
+        for seq, fut, deadline in list(self.prefetching):
             try:
-                got = fut.result()
-            except StorageUnavailable:
-                self.counters["storage_errors"] += 1
-                got = None
-            except Exception:  # a backend bug must not take the engine down: compute instead
-                log.exception("L3 prefetch for request %s failed", seq.req.rid)
-                self.counters["storage_errors"] += 1
-                got = None
-            if got is not None:
-                self.cache.sync_loads()  # a host load into the same state slot ends first
-                # through the host tier when there is one (loaded layer by layer under the
-                # forward); else, or when the host is full, straight into the device pages
-                if self.hierarchical and self.cache.stage_fetched(creq, got):
-                    self.l3.count_applied(got)
-                else:
-                    self.l3.apply(got)
-                self.cache.resumed_from(creq, got.b)
-                self.counters["storage_tokens"] += got.b - b
-                b = got.b
-            self._start(seq, b)
-        self.prefetching = keep
+                if self._poll_prefetch(seq, fut, deadline, now):
+                    keep.append((seq, fut, deadline))
+            except Exception as e:
+                self._abort(seq, e, done)
+        self.prefetching = [p for p in keep if p[0].creq is not None]
+
+    def _poll_prefetch(self, seq: _Seq, fut, deadline: float, now: float) -> bool:
+        """Start the request if its prefetch is over; True while it still waits."""
+        from ..hicache import StorageUnavailable
+        if not fut.done():
+            if self.prefetch_policy == "wait_complete":
+                fut.exception()  # blocks: this policy waits for the store
+            elif self.prefetch_policy == "timeout" and now < deadline:
+                return True
+            else:  # best_effort does not wait; timeout gave up: compute instead
+                fut.cancel()
+                self.counters["storage_prefetch_abandoned"] += 1
+                self._start(seq, seq.creq.prefix_len)
+                return False
+        creq = seq.creq
+        b = creq.prefix_len
+        try:
+            got = fut.result()
+        except StorageUnavailable:
+            self.counters["storage_errors"] += 1
+            got = None
+        except Exception:  # a backend bug must not take the engine down: compute instead
+            log.exception("L3 prefetch for request %s failed", seq.req.rid)
+            self.counters["storage_errors"] += 1
+            got = None
+        if got is not None:
+            self.cache.sync_loads()  # a host load into the same state slot ends first
+            # through the host tier when there is one (loaded layer by layer under the
+            # forward); else, or when the host is full, straight into the device pages
+            if self.hierarchical and self.cache.stage_fetched(creq, got):
+                self.l3.count_applied(got)
+            else:
+                self.l3.apply(got)
+            self.cache.resumed_from(creq, got.b)
+            self.counters["storage_tokens"] += got.b - b
+            b = got.b
+        self._start(seq, b)
+        return False
 
     def _wait_for_prefetch(self) -> None:
         """Nothing to compute: sleep until a prefetch finishes or the first deadline."""
@@ -397,9 +453,12 @@ class Engine:
                 if n == 0:
                     continue
                 budget -= n
-            elif not self._grow(seq, done):
-                continue
-            batch.append((seq, self._input(seq, n)))
+            try:
+                if n == 1 and not self._grow(seq, done):
+                    continue
+                batch.append((seq, self._input(seq, n)))
+            except Exception as e:
+                self._abort(seq, e, done)
         return batch
 
     def _grow(self, seq: _Seq, done: list[Request]) -> bool:
@@ -422,13 +481,17 @@ class Engine:
                                         f"hold {len(seq.tokens)} tokens")
                     done.append(seq.req)
                     return False
-                self._preempt(victim)
+                self._preempt(victim, done)
                 if victim is seq:
                     return False
 
-    def _preempt(self, seq: _Seq) -> None:
+    def _preempt(self, seq: _Seq, done: list[Request]) -> None:
         self.running.remove(seq)
-        self._store(seq)
+        try:
+            self._store(seq)
+        except Exception as e:
+            self._abort(seq, e, done)
+            return
         seq.req.status = "preempted"
         seq.req.metrics.preemptions += 1
         self.counters["preemptions"] += 1
@@ -500,15 +563,17 @@ class Engine:
 
     def _store(self, seq: _Seq, session_id=None) -> None:
         """Hand the sequence's computed tokens to the tree (or free them with the cache off)."""
-        creq = self._detach(seq)
+        creq = seq.creq
         if self.use_cache:
             if creq.num_tokens < seq.computed:  # their pages are there: no allocation
                 self.cache.append_tokens(creq, seq.tokens[creq.num_tokens:seq.computed])
             self.cache.cache_finished(creq, session_id)
+            self._detach(seq)
             if self.l3 is not None:
                 self._write_through(seq)
         else:
             self.cache.release(creq)
+            self._detach(seq)
 
     def _write_back_node(self, nd, ci: int) -> None:
         """The host tier is about to lose what node nd holds only there: write it to L3
@@ -555,6 +620,24 @@ class Engine:
             c["storage_failed_loads"] = self.l3.counters["failed_loads"]
             c["storage"] = self.l3.stats()
         return c
+
+
+def _check_device(device) -> torch.device:
+    """cpu, or a CUDA device torch can see; anything else (a typo, meta, a device with
+    no kernels here) is a ValueError naming --device."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"--device {device!r} is not a device torch knows: use cpu or cuda[:N] ({e})") from None
+    if d.type == "cpu":
+        return d
+    if d.type != "cuda":
+        raise ValueError(f"--device {device!r}: the engine runs on cpu or cuda[:N], not {d.type}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r} asked for, but torch sees no CUDA device")
+    if d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device!r}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return d
 
 
 def _to(weights: dict, device: torch.device) -> dict:

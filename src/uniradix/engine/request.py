@@ -3,16 +3,58 @@ parameters, and the per-request metrics."""
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 import time
+from array import array
 from dataclasses import dataclass, field
+
+from ..tree.keys import check_priority, check_session_id, salt_key
 
 _ids = itertools.count()
 
 
+#: temperatures below this are greedy (as SGLang treats them): dividing logits by a
+#: subnormal temperature overflows, and the draw would be an argmax anyway
+GREEDY_BELOW = 1e-5
+
+
+def _is_int(v) -> bool:
+    """An integer that is not a bool (numpy integers count: they are Integral)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def check_token_ids(name: str, ids, vocab_size: int | None = None) -> list[int]:
+    """A list of token ids from a sequence of ints in [0, vocab_size): not a str or bytes
+    (whose items would pass for ids), and no floats, bools or strings inside."""
+    if isinstance(ids, (str, bytes, bytearray)) or not isinstance(ids, (list, tuple, range, array)) \
+            and not hasattr(ids, "__array__"):
+        raise ValueError(f"{name} must be a list of token ids (ints), got {type(ids).__name__}")
+    out = ids if type(ids) is list and all(type(t) is int for t in ids) else None
+    if out is None:
+        out = []
+        for t in ids:
+            if not _is_int(t):
+                raise ValueError(f"{name} must hold ints, got {type(t).__name__} {t!r:.20}")
+            out.append(int(t))
+    if out and vocab_size is not None:
+        lo, hi = min(out), max(out)
+        if lo < 0 or hi >= vocab_size:
+            bad = [t for t in out if not 0 <= t < vocab_size][:5]
+            raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad}")
+    return list(out)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy. `seed` makes sampling repeatable per request; `stop_ids`
-    end the request when generated (the stop token is kept in the output)."""
+    """temperature 0 is greedy (and so is any temperature below 1e-5). `seed` makes
+    sampling repeatable per request; `stop_ids` end the request when generated (the stop
+    token is kept in the output). Every field is checked here, types included, so a bad
+    value is a ValueError naming it, never a failure inside a later step."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
@@ -21,13 +63,24 @@ class SamplingParams:
     stop_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        object.__setattr__(self, "stop_ids", tuple(int(t) for t in self.stop_ids))
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        t = self.temperature
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        p = self.top_p
+        if not _is_number(p) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2 ** 63):
+            raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+        object.__setattr__(self, "temperature", 0.0 if t < GREEDY_BELOW else float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "stop_ids", tuple(check_token_ids("stop_ids", self.stop_ids)))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
 
 
 @dataclass
@@ -82,6 +135,28 @@ class Request:
 
     def __post_init__(self) -> None:
         self.metrics.arrival = time.perf_counter()
+
+    def check(self, vocab_size: int) -> list[int]:
+        """Every field a step will use, checked before the request is queued (a value that
+        passed here cannot fail a later step): returns the prompt's ids. ValueError names
+        the field."""
+        if (self.input_ids is None) == (self.text is None):
+            raise ValueError("give a request exactly one of input_ids or text")
+        if self.text is not None and not isinstance(self.text, str):
+            raise ValueError(f"text must be a str, got {type(self.text).__name__}")
+        if not isinstance(self.sampling, SamplingParams):
+            raise ValueError(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        check_priority(self.priority)
+        check_session_id(self.session_id)
+        salt_key(self.salt)  # the one salt rule: None, str, bytes or int
+        if not isinstance(self.record_logits, bool):
+            raise ValueError(f"record_logits must be a bool, got {self.record_logits!r}")
+        bad = [t for t in self.sampling.stop_ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_ids must be in [0, {vocab_size}), got {bad[:5]}")
+        if self.input_ids is None:
+            return []
+        return check_token_ids("input_ids", self.input_ids, vocab_size)
 
     @property
     def done(self) -> bool:

@@ -2,13 +2,13 @@
 from .component import CheckpointComponent, Component, PageComponent
 from .components import FullComponent, MambaComponent, SWAComponent
 from .eviction import POLICIES
-from .keys import decode, encode
+from .keys import decode, encode, salt_key
 from .node import Node
 from .results import EvictResult, Freed, InsertResult, LockReceipt, MatchResult
 from .tree import LockError, RadixTree
 
 __all__ = [
     "CheckpointComponent", "Component", "PageComponent", "FullComponent", "MambaComponent",
-    "SWAComponent", "POLICIES", "decode", "encode", "Node", "EvictResult", "InsertResult",
+    "SWAComponent", "POLICIES", "decode", "encode", "salt_key", "Node", "EvictResult", "InsertResult",
     "LockReceipt", "MatchResult", "LockError", "RadixTree", "Freed",
 ]

@@ -18,6 +18,42 @@ def encode(tokens) -> bytes:
         raise TypeError(f"tokens must be a sequence of ints, got {type(tokens).__name__}: {e}") from None
 
 
+def salt_key(salt) -> str | None:
+    """The one rule for cache salts, used by the tree's roots and by L3's namespace: a
+    salt is None (shared), a str, bytes or an int (not a bool), and two salts are the
+    same tenant iff their types and values are equal ("1", 1 and b"1" are three
+    tenants). Returns the canonical text both tiers key by; anything else (floats,
+    bools, unhashable or arbitrary objects, whose equality and repr are not stable
+    names) is a ValueError."""
+    if salt is None:
+        return None
+    t = type(salt)
+    if t is str:
+        return "s:" + salt
+    if t is int:
+        return "i:" + str(salt)
+    if t is bytes:
+        return "b:" + salt.hex()
+    raise ValueError(f"a cache salt must be None, a str, bytes or an int (not a bool or a float), "
+                     f"got {t.__name__} {salt!r:.40}")
+
+
+def check_session_id(session_id) -> None:
+    """A session id names a conversation across turns: None, a str, or an int (not a bool)."""
+    if session_id is not None and type(session_id) not in (str, int):
+        raise ValueError(f"session_id must be None, a str or an int, got {type(session_id).__name__} "
+                         f"{session_id!r:.40}")
+
+
+def check_priority(priority) -> None:
+    """Eviction priority: None or a Python int (it is compared with other nodes' priorities
+    and ordered in the eviction heaps)."""
+    if priority is None or type(priority) is int and -2 ** 63 <= priority < 2 ** 63:
+        return
+    raise ValueError(f"priority must be None or an int in [-2**63, 2**63), got "
+                     f"{type(priority).__name__} {priority!r:.40}")
+
+
 def decode(key: bytes) -> list[int]:
     """Back to token ids (for debugging and tests)."""
     out = array("I")

@@ -10,7 +10,7 @@ from array import array
 
 from .component import Component, Interval, page_floor
 from .eviction import POLICIES, EvictionList
-from .keys import TOKEN_BYTES, common_prefix, encode
+from .keys import TOKEN_BYTES, common_prefix, encode, salt_key
 from .node import Node
 from .results import EvictResult, Freed, InsertResult, LockReceipt, MatchResult
 
@@ -70,7 +70,8 @@ class RadixTree:
         # the host tier's queues: slot nc + i of Node.where
         self.host_lists = [EvictionList(i, eviction_policy, self.nc + i) for i in range(self.nc)]
         self._queues = [lst._queues for lst in self.lists + self.host_lists]  # for touch
-        self.roots: dict[object, Node] = {}
+        self.roots: dict[str | None, Node] = {}   # by salt_key(salt)
+        self.salts: dict[str | None, object] = {}  # the salt each root was made for
         self.clock = 0
         self.size = [0] * self.nc       # handles held by the tree, per component
         self.locked = [0] * self.nc     # of which pinned by a lock
@@ -89,10 +90,22 @@ class RadixTree:
 
     # ------------------------------------------------------------------ roots
     def root(self, salt=None) -> Node:
-        r = self.roots.get(salt)
+        """The root of one tenant's tree (created on first use). `roots` is keyed by
+        `salt_key(salt)`, the one rule that L3's namespace follows too."""
+        k = None if salt is None else salt_key(salt)
+        r = self.roots.get(k)
         if r is None:
-            r = self.roots[salt] = Node(b"", 0, 0, None, self.nc)
+            r = self.roots[k] = Node(b"", 0, 0, None, self.nc)
+            self.salts[k] = salt
         return r
+
+    def find_root(self, salt=None) -> Node | None:
+        """The root of a tenant's tree if it has one (never creates it)."""
+        return self.roots.get(None if salt is None else salt_key(salt))
+
+    def salt_of(self, root: Node):
+        """The salt a root was created for."""
+        return next(self.salts[k] for k, r in self.roots.items() if r is root)
 
     # ------------------------------------------------------------------ match
     def match(self, tokens, salt=None, priority: int | None = None, lock: bool = False,
