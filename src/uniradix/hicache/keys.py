@@ -1,44 +1,62 @@
 """L3 keys: a chained SHA-256 over each page's tokens, seeded by a namespace, so a key
-names a page *and everything before it*, and two models, two page sizes, two ranks or
-two tenants (salts) never share a key."""
+names a page *and everything before it*, and two models, two checkpoints of one model,
+two page sizes, two ranks or two tenants (salts) never share a key."""
 from __future__ import annotations
 
 import hashlib
 import json
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from ..tree.keys import salt_key
 from .storage import check_key
 
 
 @dataclass(frozen=True)
 class StorageNamespace:
-    """What must match for two engines to read each other's data: the model fingerprint
-    (layer pattern, dims, dtype: any text that changes when the KV would), the page
-    size, the tensor-parallel rank, and the request's cache salt."""
+    """What must match for two engines to read each other's data: the model (layer
+    pattern, dims, dtype: any text that changes when the KV would), the weights'
+    fingerprint (two checkpoints of one architecture compute different KV), the page
+    size, the tensor-parallel rank, and the request's cache salt (by the tree's salt
+    rule, so a tenant is the same tenant in every tier)."""
 
     model: str
     page_size: int
     rank: int = 0
     salt: object = None
+    weights: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"the model must be a non-empty string, got {self.model!r:.60}")
         if self.page_size < 1:
             raise ValueError(f"page size must be at least 1, got {self.page_size}")
         if self.rank < 0:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
+        if not isinstance(self.weights, str):
+            raise ValueError(f"the weights fingerprint must be a string, got {type(self.weights).__name__}")
+        salt_key(self.salt)  # a salt the tree would refuse is refused here too
 
     @classmethod
-    def for_model(cls, cfg, page_size: int, rank: int = 0, salt=None) -> "StorageNamespace":
-        """The fingerprint of a HybridConfig: every field (a changed window or dtype
-        changes the stored bytes' meaning)."""
+    def for_model(cls, cfg, page_size: int, rank: int = 0, weights: str = "",
+                  salt=None) -> "StorageNamespace":
+        """The namespace of a HybridConfig (every field: a changed window or dtype changes
+        the stored bytes' meaning) and a weights fingerprint (see
+        uniradix.model.fingerprint). `cfg` may instead be a string: the model's name as a
+        fleet chooses it, used as it is."""
+        if isinstance(cfg, str):
+            return cls(cfg, page_size, rank, salt, weights)
         fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
-        return cls(json.dumps(fields, sort_keys=True), page_size, rank, salt)
+        return cls(json.dumps(fields, sort_keys=True), page_size, rank, salt, weights)
+
+    def with_salt(self, salt) -> "StorageNamespace":
+        """This namespace for a request's salt (everything else kept, the weights too)."""
+        return replace(self, salt=salt)
 
     def seed(self) -> bytes:
         """The chain's starting digest."""
-        text = json.dumps([self.model, self.page_size, self.rank, repr(self.salt)])
-        return hashlib.sha256(b"uniradix-ns-v1\0" + text.encode()).digest()
+        text = json.dumps([self.model, self.weights, self.page_size, self.rank, salt_key(self.salt)])
+        return hashlib.sha256(b"uniradix-ns-v2\0" + text.encode()).digest()
 
 
 def page_keys(tokens, ns: StorageNamespace, start_digest: bytes | None = None) -> list[str]:

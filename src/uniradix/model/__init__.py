@@ -1,9 +1,11 @@
 """The reference hybrid model (F / S / M layers) and its no-cache oracle."""
 from .config import LAYER_KINDS, PRESETS, HybridConfig, preset
+from .fingerprint import file_fingerprint, weights_fingerprint
 from .reference import reference_forward
 from .paged import PagedInput, paged_forward
 from .tokenizer import ByteTokenizer
 from .weights import init_weights, load_weights, save_weights
 
 __all__ = ["LAYER_KINDS", "PRESETS", "HybridConfig", "preset", "reference_forward", "ByteTokenizer",
-           "init_weights", "save_weights", "load_weights", "PagedInput", "paged_forward"]
+           "init_weights", "save_weights", "load_weights", "PagedInput", "paged_forward", "weights_fingerprint",
+           "file_fingerprint"]
