@@ -2,7 +2,8 @@
 through a `Store`: how to make backends of that kind, how to reach its raw store, and
 what the kind is known to do differently (zero-length values refused, no key prefix,
 close() that does nothing). Also the helpers the backend tests share: storage keys,
-bad keys, and the check that a backend whose store is gone fails every call in time.
+bad keys, the check that a backend whose store is gone fails every call in time, and a
+directory that turns read-only.
 
 Kinds: "file" (a directory per test), "redis" (the session's redis-server, a prefix per
 test), "mooncake" (the session's mooncake_master; the test's backend is the session's
@@ -11,9 +12,11 @@ a client takes a second or two; other instances a test makes lend none).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import os
+import subprocess
 import time
 from typing import ClassVar
 
@@ -35,19 +38,45 @@ def keys(n, start=0, suffix="", ns="") -> list[str]:
     return [key(i, suffix, ns) for i in range(start, start + n)]
 
 
+# A trailing newline: "$" in a pattern matches before it, so a key check must not use it.
 BAD_KEYS = ["abc", key(1).upper(), key(1) + ".", key(1) + ".a b", key(1) + "." + "s" * 33,
-            key(1)[:-1], 123, None, "../" + key(1)]
+            key(1)[:-1], 123, None, "../" + key(1), key(1) + "\n", key(1) + ".swa\n"]
 
 
-def assert_unavailable(b: StorageBackend, where: str, bound_s: float) -> None:
-    """Every call raises StorageUnavailable naming `where`, each within `bound_s`."""
-    calls = [lambda: b.batch_exists(keys(2)), lambda: b.batch_get(keys(2)),
-             lambda: b.batch_set(keys(2), [b"a", b"b"]), lambda: b.delete(key(0)), b.clear]
+def assert_unavailable(b: StorageBackend, where: str, bound_s: float) -> int:
+    """Every call raises StorageUnavailable naming `where`, each within `bound_s`.
+    Returns how many calls were made (each counts one error)."""
+    calls = [lambda: b.batch_exists(keys(2)), lambda: b.batch_contains(keys(2)),
+             lambda: b.batch_get(keys(2)), lambda: b.batch_set(keys(2), [b"a", b"b"]),
+             lambda: b.delete(key(0)), b.clear]
     for call in calls:
         t = time.monotonic()
         with pytest.raises(StorageUnavailable, match=where):
             call()
         assert time.monotonic() - t < bound_s
+    return len(calls)
+
+
+@contextlib.contextmanager
+def read_only_later(path: str):
+    """Make the directory `path` and yield `freeze()`, which makes it refuse writes, as a
+    store remounted read-only mid-run would. A normal user: chmod. Root ignores modes, so
+    as root a tmpfs mounted there is remounted read-only (skipped where mounting is not
+    allowed)."""
+    os.makedirs(path)
+    if os.geteuid() != 0:
+        try:
+            yield lambda: os.chmod(path, 0o555)
+        finally:
+            os.chmod(path, 0o755)
+        return
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", path], capture_output=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here to make read-only: {r.stderr.decode().strip()}")
+    try:
+        yield lambda: subprocess.run(["mount", "-o", "remount,ro", path], check=True)
+    finally:
+        subprocess.run(["umount", path], check=True)
 
 
 class Store:
@@ -113,7 +142,6 @@ class FileStore(Store):
 
     kind = "file"
     closes = False
-    counters = BASE_COUNTERS
     clear_prefix, lookalike = "c1/", "c1x"
 
     def __init__(self, root: str) -> None:

@@ -1,6 +1,6 @@
 """The StorageBackend contract on every backend kind (file, redis, mooncake; see
 backend_contract.py): byte-exact round trips, zero-length values, order and misses,
-leading-run exists, replace, delete, clear by prefix, sharing between instances and
+leading-run exists, per-key contains, replace, delete, clear by prefix, sharing between instances and
 threads, the counters, close, and bad keys. What only one backend does (a server killed
 mid-run, maxmemory, leases, settings) is tested in its own file."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 import pytest
 from backend_contract import BAD_KEYS, KINDS, key, keys, open_store
 
-from uniradix.hicache.storage import StorageUnavailable
+from uniradix.hicache.storage import StorageUnavailable, check_key
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -99,6 +99,38 @@ def test_batch_exists_is_the_leading_run(backend):
     assert backend.batch_exists(ks[5:]) == 5                   # the rest is there
     assert backend.batch_exists([key(999, ns="ex")] + ks[:3]) == 0      # first absent
     assert backend.batch_exists(ks[:3] + [key(999, ns="ex")] + ks[5:]) == 3
+
+
+def test_batch_contains_answers_every_key(store, backend):
+    ks = keys(12, ns="in")
+    assert backend.batch_contains([]) == []
+    assert backend.batch_contains(ks) == [False] * 12                # none
+    present = {0, 3, 4, 7, 11}
+    assert all(backend.batch_set([ks[i] for i in sorted(present)], [b"v"] * len(present)))
+    want = [i in present for i in range(12)]
+    before = backend.stats()
+    got = backend.batch_contains(ks)
+    assert got == want and [type(g) for g in got] == [bool] * 12      # absent first, holes
+    if "exists_calls" in store.counters:                              # one call, however many keys
+        assert backend.stats()["exists_calls"] - before["exists_calls"] == 1
+    # order, duplicates and component suffixes: each key answered where it stands
+    swa = key(3, suffix="swa", ns="in")
+    backend.batch_set([swa], [b"s"])
+    query = [ks[4], ks[1], ks[4], swa, key(3, suffix="mamba", ns="in"), ks[0]]
+    assert backend.batch_contains(query) == [True, False, True, True, False, True]
+    # the leading run of batch_contains is what batch_exists counts
+    for q in (ks, ks[3:], ks[7:], query):
+        found = backend.batch_contains(q)
+        assert backend.batch_exists(q) == (found.index(False) if False in found else len(found))
+    backend.delete(ks[3])
+    assert backend.batch_contains(ks[2:5]) == [False, False, True]
+    assert backend.stats()["errors"] == before["errors"]
+
+
+def test_batch_contains_many_keys(backend):
+    ks = keys(2000, ns="in2k")
+    assert all(backend.batch_set(ks[::3], [b"v"] * len(ks[::3])))
+    assert backend.batch_contains(ks) == [i % 3 == 0 for i in range(2000)]
 
 
 # --------------------------------------------------------------------------- set, delete
@@ -229,6 +261,15 @@ def test_bad_keys_are_rejected_before_any_io(backend, bad):
         backend.batch_set([good, bad], [b"x", b"y"])
     assert backend.batch_get([good]) == [None]   # nothing of the batch was written
     for call in (lambda: backend.batch_exists([good, bad]), lambda: backend.batch_get([bad]),
-                 lambda: backend.delete(bad)):
+                 lambda: backend.batch_contains([good, bad]), lambda: backend.delete(bad)):
         with pytest.raises(ValueError, match="not a storage key"):
             call()
+    assert backend.batch_contains([good]) == [False]
+
+
+def test_check_key_refuses_a_trailing_newline():
+    k = key(1)
+    assert check_key(k) == k and check_key(k + ".swa") == k + ".swa"
+    for bad in (k + "\n", k + ".swa\n", k + "\r\n", "\n" + k):
+        with pytest.raises(ValueError, match="not a storage key"):
+            check_key(bad)

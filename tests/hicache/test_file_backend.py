@@ -1,7 +1,8 @@
 """The file backend and the backend factory: clear, whole writes, failures that cost one
-key and never the engine. The StorageBackend contract (round trips, exists, replace,
-delete, clear, sharing, counters; not yet bad keys, see FileStore.known_gaps there) runs
-on it in test_backend_contract.py."""
+key and never the engine, counted and warned about once (then in summaries). The
+StorageBackend contract (round trips, exists, contains, replace, delete, clear, sharing,
+counters, bad keys) runs on it in test_backend_contract.py; configuration mistakes are in
+test_backend_config.py."""
 import errno
 import json
 import logging
@@ -10,6 +11,7 @@ import pathlib
 import subprocess
 
 import pytest
+from backend_contract import keys, read_only_later
 
 from uniradix.hicache import StorageBackend, StorageUnavailable
 from uniradix.hicache.backends import make_backend, parse_extra_config
@@ -82,8 +84,88 @@ def test_a_vanished_directory_is_unavailable(fb):
     fb.batch_set([K[0]], [b"x"])
     fb.clear()
     os.rmdir(fb.path)
-    with pytest.raises(StorageUnavailable):
-        fb.batch_set([K[0]], [b"x"])
+    calls = [lambda: fb.batch_set([K[0]], [b"x"]), lambda: fb.batch_exists(K[:2]),
+             lambda: fb.batch_contains(K[:2]), lambda: fb.delete(K[0]), fb.clear]
+    for call in calls:   # a miss is not what a missing directory means
+        with pytest.raises(StorageUnavailable, match="gone|cannot list"):
+            call()
+    assert fb.stats()["errors"] == len(calls)
+
+
+def test_a_read_only_store_counts_every_failure_and_warns_once(tmp_path, caplog):
+    # A store that turns read-only fails every set: each is counted, but the log gets
+    # the first failure with its reason and then one summary (here at close), not 500 lines.
+    path = str(tmp_path / "ro")
+    with read_only_later(path) as freeze:
+        fb = FileBackend(path)
+        assert fb.batch_set(K[:1], [b"x"]) == [True]
+        freeze()
+        caplog.clear()   # (the start-up warning)
+        with caplog.at_level(logging.WARNING, logger="uniradix.hicache"):
+            ok = [fb.batch_set([k], [b"v"]) for k in keys(300, ns="ro")]   # page by page
+            ok += [fb.batch_set(keys(200, start=300, ns="ro"), [b"v"] * 200)]
+            st = fb.stats()
+            assert sum(ok, []) == [False] * 500
+            assert st["sets"] == 501 and st["set_failures"] == 500 and st["errors"] == 0
+            lines = [r.getMessage() for r in caplog.records]
+            assert len(lines) == 1, lines
+            assert path in lines[0] and "storing" in lines[0]
+            assert "Read-only file system" in lines[0] or "Permission denied" in lines[0]
+            fb.close()
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 2 and "499 more failed sets" in lines[1], lines
+        assert fb.batch_get(K[:1]) == [b"x"]              # reads still work
+        assert not [n for n in os.listdir(path) if n.endswith(".tmp")]
+
+
+def test_failures_logged_again_after_the_interval(fb, monkeypatch, caplog):
+    now = [100.0]
+    fb.failure_log.clock = lambda: now[0]   # no sleeping
+    caplog.clear()
+
+    def write(tmp, value):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fb, "_write", write)
+    with caplog.at_level(logging.WARNING, logger="uniradix.hicache"):
+        fb.batch_set(K[:4], [b"x"] * 4)        # 1 line, 3 held back
+        now[0] += 29
+        fb.batch_set(K[4:6], [b"x"] * 2)       # still within 30 s
+        assert len(caplog.records) == 1
+        now[0] += 2
+        fb.batch_set(K[6:7], [b"x"])           # 31 s on: one summary of the 6 since
+        fb.batch_set(K[7:8], [b"x"])
+        msgs = [r.getMessage() for r in caplog.records]
+        assert len(msgs) == 2 and "6 more failed sets in the last 31 s" in msgs[1]
+        assert "No space left on device" in msgs[1]
+        fb.close()
+        msgs = [r.getMessage() for r in caplog.records]
+        assert len(msgs) == 3 and "1 more failed sets" in msgs[2]
+        fb.close()                             # nothing left to report
+        assert len(caplog.records) == 3
+    assert fb.stats()["set_failures"] == 8
+
+
+def test_contains_stats_each_key_and_never_raises_for_one(fb, caplog):
+    # A key whose stat fails (here a symlink loop: ELOOP) is absent, counted, warned
+    # about once; the other keys are answered.
+    fb.batch_set([K[0], K[2]], [b"a", b"c"])
+    for k in K[3:6]:
+        os.symlink(k, os.path.join(fb.path, k))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="uniradix.hicache"):
+        assert fb.batch_contains(K[:6]) == [True, False, True, False, False, False]
+    st = fb.stats()
+    assert st["errors"] == 3 and st["exists_calls"] == 1
+    assert len(caplog.records) == 1 and "symbolic links" in caplog.records[0].getMessage()
+    assert fb.batch_exists(K[2:]) == 1
+    assert fb.batch_get(K[3:4]) == [None] and fb.stats()["errors"] == 5
+
+
+def test_values_are_checked_before_any_write(fb):
+    with pytest.raises(TypeError, match="bytes"):
+        fb.batch_set(K[:2], [b"ok", "text"])
+    assert os.listdir(fb.path) == []
 
 
 def test_start_up_warns_that_a_local_directory_is_not_shared(tmp_path, caplog):

@@ -1,7 +1,8 @@
 """The Mooncake L3 backend against a real mooncake_master on 127.0.0.1 (started and
 stopped by the tests, see mooncake_master.py; clients use P2PHANDSHAKE and tcp): what
-only Mooncake does (the local buffer, chunked existence queries, put vs upsert, objects
-in lent memory), settings, the master down at start and killed mid-run. The
+only Mooncake does (the local buffer, chunked existence queries, batch_contains in one
+query, put vs upsert, objects in lent memory), failures counted and warned about once,
+settings, the master down at start and killed mid-run. The
 StorageBackend contract (round trips, zero-length values refused, exists, replace,
 delete, clear by prefix, sharing, counters, close, bad keys) runs on Mooncake in
 test_backend_contract.py.
@@ -85,6 +86,49 @@ def test_batch_exists_over_several_queries(backend):
     assert backend.batch_exists(ks) == mc.EXISTS_CHUNK + 50
     backend.delete(ks[7])
     assert backend.batch_exists(ks) == 7
+
+
+class CountingStore:
+    """The real store, counting the calls made through it."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.store, name)
+
+        def call(*args):
+            self.calls.append(name)
+            return fn(*args)
+        return call
+
+
+def test_batch_contains_is_one_existence_query(backend, monkeypatch):
+    n = 4 * mc.EXISTS_CHUNK
+    ks = keys(n, ns="inq")
+    assert all(backend.batch_set(ks[1::2], [b"v"] * (n // 2)))
+    counting = CountingStore(backend._store)
+    monkeypatch.setattr(backend, "_store", counting)
+    assert backend.batch_contains(ks) == [i % 2 == 1 for i in range(n)]
+    assert counting.calls == ["batch_is_exist"]
+
+
+def test_values_too_large_are_counted_and_warned_about_once(make, caplog):
+    b = make(prefix="large:", local_buffer_size="1MB", global_segment_size=0)
+    big = bytes(2 << 20)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="uniradix.hicache"):
+        for i in range(20):
+            ok = b.batch_set(keys(5, start=5 * i, ns="large"), [big] * 4 + [b"ok"])
+            assert ok == [False] * 4 + [True]
+        msgs = [r.getMessage() for r in caplog.records]
+        assert len(msgs) == 1 and "larger than local_buffer_size" in msgs[0], msgs
+        b.clear()
+        b.close()
+    msgs = [r.getMessage() for r in caplog.records]
+    assert len(msgs) == 2 and "79 more failed sets" in msgs[1], msgs
+    st = b.stats()
+    assert st["sets"] == 100 and st["set_failures"] == 80 and st["errors"] == 0
 
 
 def test_mooncake_put_keeps_the_old_value(backend):
@@ -214,9 +258,9 @@ def test_master_down_at_start_then_up(caplog):
     assert time.monotonic() - t < BOUND_S
     assert any(addr in r.getMessage() for r in caplog.records)
     with b:
-        assert_unavailable(b, addr, BOUND_S)
+        calls = assert_unavailable(b, addr, BOUND_S)
         st = b.stats()
-        assert st["errors"] == 1 + 5 and st["hits"] == 0 and st["connects"] == 0
+        assert st["errors"] == 1 + calls and st["hits"] == 0 and st["connects"] == 0
         assert st["sets"] == st["set_failures"] == 2 and st["connected"] is False
         with master_server(port=port):   # the master comes up: the next call connects
             assert b.batch_set(keys(2, ns="late"), [b"a", b"b"]) == [True, True]
@@ -252,8 +296,8 @@ def test_master_killed_mid_run_then_restarted():
         try:
             assert all(b.batch_set(keys(4, ns="kill"), [b"a"] * 4))
             m.stop(kill=True)   # SIGKILL: no goodbye
-            assert_unavailable(b, m.address, BOUND_S)
-            assert b.stats()["errors"] == 5 and b.stats()["connected"] is False
+            calls = assert_unavailable(b, m.address, BOUND_S)
+            assert b.stats()["errors"] == calls and b.stats()["connected"] is False
             m.start()           # same port, empty (a new master knows no objects)
             deadline = time.monotonic() + BOUND_S
             while True:         # the client re-registers its segment with the new master

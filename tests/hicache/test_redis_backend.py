@@ -1,6 +1,7 @@
 """The Redis L3 backend against a real redis-server on 127.0.0.1 (started and stopped by
-the tests, see redis_server.py): settings, the server down at start, killed mid-run,
-out of memory, and unresponsive. The StorageBackend contract (round trips, exists,
+the tests, see redis_server.py): settings, batch_contains in one round trip, the server
+down at start, killed mid-run, out of memory (counted, warned about once), a foreign
+value, and unresponsive. The StorageBackend contract (round trips, exists,
 replace, delete, clear by prefix, sharing, counters, close, bad keys) runs on Redis in
 test_backend_contract.py."""
 from __future__ import annotations
@@ -52,6 +53,34 @@ def test_missing_redis_package_says_how_to_install(monkeypatch):
         RedisBackend()
 
 
+# --------------------------------------------------------------------------- round trips
+def test_batch_contains_is_one_round_trip(monkeypatch):
+    # 2,000 keys (one 2,000-token request at page size 1): one pipeline, one send, and
+    # on the server one EXISTS per key and nothing else.
+    import redis
+    with redis_server() as s, RedisBackend(s.url) as b, redis.Redis.from_url(s.url) as raw:
+        ks = keys(2000, ns="rt")
+        assert all(b.batch_set(ks[::3], [b"v"] * len(ks[::3])))
+        sends = []
+        real = redis.connection.AbstractConnection.send_packed_command
+
+        def send(conn, command, *args, **kw):
+            sends.append(command)
+            return real(conn, command, *args, **kw)
+
+        raw.config_resetstat()
+        monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", send)
+        got = b.batch_contains(ks)
+        monkeypatch.undo()
+        assert got == [i % 3 == 0 for i in range(2000)]
+        assert len(sends) == 1
+        stats = raw.info("commandstats")
+        assert stats["cmdstat_exists"]["calls"] == 2000
+        mine = {k for k in stats if not k.startswith(("cmdstat_config", "cmdstat_info"))}
+        assert mine == {"cmdstat_exists"}
+        assert b.stats()["exists_calls"] == 1
+
+
 # --------------------------------------------------------------------------- faults
 def test_server_down_at_start(caplog):
     url = f"redis://127.0.0.1:{free_port()}/0"   # nothing listens there
@@ -59,9 +88,9 @@ def test_server_down_at_start(caplog):
         b = RedisBackend(url, socket_timeout=1.0)   # warns, does not fail: the engine goes on
     assert any(url in r.getMessage() for r in caplog.records)
     with b:
-        assert_unavailable(b, url, BOUND_S)
+        calls = assert_unavailable(b, url, BOUND_S)
         st = b.stats()
-        assert st["errors"] == 1 + 5 and st["hits"] == 0
+        assert st["errors"] == 1 + calls and st["hits"] == 0
         assert st["sets"] == st["set_failures"] == 2
 
 
@@ -79,8 +108,8 @@ def test_server_killed_mid_run_then_restarted():
         b = RedisBackend(s.url, socket_timeout=1.0)
         assert all(b.batch_set(keys(4), [b"a"] * 4))
         s.stop(kill=True)   # SIGKILL: no goodbye on the open connection
-        assert_unavailable(b, s.url, BOUND_S)
-        assert b.stats()["errors"] == 5
+        calls = assert_unavailable(b, s.url, BOUND_S)
+        assert b.stats()["errors"] == calls
         s.start()           # same port, empty (no persistence)
         with RedisBackend(s.url, socket_timeout=1.0) as fresh:
             assert fresh.batch_exists(keys(4)) == 0
@@ -100,6 +129,7 @@ def test_out_of_memory_refuses_sets_per_key():
         assert any(ok) and not all(ok)
         st = b.stats()
         assert st["sets"] == 16 and st["set_failures"] == ok.count(False) and st["errors"] == 0
+        assert b.failure_log.pending("failed sets") == 0   # the first refusal: logged in full
         got = b.batch_get(keys(16))
         assert got == [v if stored else None for v, stored in zip(values, ok)]
         # reads and deletes still work on a full server; freeing room lets sets in again
@@ -108,6 +138,44 @@ def test_out_of_memory_refuses_sets_per_key():
                 assert b.delete(k)
         assert b.batch_set(keys(1, start=100), [values[0]]) == [True]
         assert b.batch_get(keys(1, start=100)) == [values[0]]
+
+
+def test_refused_sets_are_counted_and_warned_about_once(caplog):
+    with redis_server("--maxmemory", "1mb", "--maxmemory-policy", "noeviction") as s, \
+            RedisBackend(s.url) as b:
+        big = random.Random(5).randbytes(2 << 20)   # over maxmemory: refused, every time
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="uniradix.hicache"):
+            for i in range(50):
+                assert b.batch_set(keys(4, start=4 * i, ns="oom"), [big] * 4) == [False] * 4
+            msgs = [r.getMessage() for r in caplog.records]
+            assert len(msgs) == 1 and "4 of 4 sets refused: OutOfMemoryError" in msgs[0]
+            b.close()
+        msgs = [r.getMessage() for r in caplog.records]
+        assert len(msgs) == 2 and "196 more failed sets" in msgs[1] and s.url in msgs[1]
+        st = b.stats()
+        assert st["sets"] == st["set_failures"] == 200 and st["errors"] == 0
+
+
+def test_a_foreign_value_is_a_counted_miss(redis_srv, caplog):
+    # Someone else's list under our name: GET answers WRONGTYPE. A miss, an error in
+    # stats(), one warning; EXISTS still sees the name.
+    import redis
+    with RedisBackend(redis_srv.url, prefix="foreign:") as b, \
+            redis.Redis.from_url(redis_srv.url) as raw:
+        k = keys(3, ns="foreign")
+        raw.rpush("foreign:" + k[1], b"x")
+        b.batch_set([k[0]], [b"mine"])
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="uniradix.hicache"):
+            assert b.batch_get(k) == [b"mine", None, None]
+            assert b.batch_get(k[1:2]) == [None]
+        st = b.stats()
+        assert st["errors"] == st["bad_replies"] == 2 and st["hits"] == 1
+        assert len(caplog.records) == 1 and "WRONGTYPE" in caplog.records[0].getMessage()
+        assert b.batch_contains(k) == [True, True, False]
+        b.clear()
+        raw.delete("foreign:" + k[1])
 
 
 def test_unresponsive_server_times_out():

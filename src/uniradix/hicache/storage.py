@@ -5,13 +5,16 @@ never has to trust what it reads.
 
 Errors: a backend that cannot reach its store raises `StorageUnavailable` from any
 call; a set that fails for one key (disk full, say) reports False for it and goes on.
+Every failure is counted in `stats()` (set_failures, errors); the warnings about them
+are rate-limited (`log_limit.LogLimiter`), so the counters, not the log, say how many.
 """
 from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
 
-KEY_RE = re.compile(r"^[0-9a-f]{64}(\.[A-Za-z0-9_-]{1,32})?$")
+# \Z, not $: "$" also matches before a trailing newline, and "<hash>\n" is no key.
+KEY_RE = re.compile(r"^[0-9a-f]{64}(\.[A-Za-z0-9_-]{1,32})?\Z")
 
 
 class StorageUnavailable(RuntimeError):
@@ -20,7 +23,7 @@ class StorageUnavailable(RuntimeError):
 
 def check_key(key: str) -> str:
     """Keys are a 64-hex-digit page hash, optionally with a component suffix."""
-    if not isinstance(key, str) or not KEY_RE.match(key):
+    if not isinstance(key, str) or not KEY_RE.fullmatch(key):
         raise ValueError(f"not a storage key: {key!r} (64 hex digits, optional .suffix)")
     return key
 
@@ -34,6 +37,16 @@ class StorageBackend(ABC):
     @abstractmethod
     def batch_exists(self, keys: list[str]) -> int:
         """How many of `keys`, from the first, are present (the leading run)."""
+
+    def batch_contains(self, keys: list[str]) -> list[bool]:
+        """Per key, in order, whether it is present (every key is answered, unlike
+        batch_exists, which stops at the first absent one). Every key is checked before
+        any I/O; a key whose presence cannot be told (a per-key error) is False and
+        counted in errors. This default asks batch_exists once per key; backends
+        override it with one round trip."""
+        for k in keys:
+            check_key(k)
+        return [self.batch_exists([k]) == 1 for k in keys]
 
     @abstractmethod
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
@@ -52,11 +65,12 @@ class StorageBackend(ABC):
         """Remove every key this backend stored (its namespace of the store)."""
 
     def stats(self) -> dict:
-        """Counters: at least gets, hits, sets, set_failures, errors."""
+        """Counters: at least gets, hits, sets, set_failures (sets not stored, for any
+        reason), errors (calls or keys that failed: store unreachable, a bad reply)."""
         return {}
 
     def close(self) -> None:
-        """Release connections and threads."""
+        """Release connections and threads; log the failures not yet reported."""
 
     def __enter__(self):
         return self

@@ -1,12 +1,22 @@
-"""L3 backends by name, for `--hicache-storage-backend` and its extra config."""
+"""L3 backends by name, for `--hicache-storage-backend` and its extra config.
+
+Every mistake in the extra config is a one-line ValueError that names the backend and
+the setting and says what is expected: a start-up error, never a traceback."""
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
+import math
 
 from ..storage import StorageBackend
 
 BACKENDS = ("file", "redis", "mooncake", "dynamic")
+
+# Extra-config keys the storage tier reads itself (the CLI checks them); make_backend
+# leaves them out of the backend's settings.
+TIER_KEYS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+             "prefetch_timeout_max", "model_fingerprint", "auth_secret")
 
 
 def parse_extra_config(text: str | dict | None) -> dict:
@@ -16,6 +26,9 @@ def parse_extra_config(text: str | dict | None) -> dict:
         return {}
     if isinstance(text, dict):
         return dict(text)
+    if not isinstance(text, str):
+        raise ValueError(f"the storage extra config must be JSON text or a dict, "
+                         f"got {type(text).__name__}")
     src = "the extra config"
     if text.startswith("@"):
         src = text[1:]
@@ -34,39 +47,88 @@ def parse_extra_config(text: str | dict | None) -> dict:
 
 
 def make_backend(name: str, extra_config: str | dict | None = None) -> StorageBackend:
-    """Build a backend by name. Only backend settings belong in `extra_config`; keys the
-    tier itself reads (prefetch_threshold, prefetch timeouts) are taken out first."""
-    cfg = {k: v for k, v in parse_extra_config(extra_config).items() if not k.startswith("prefetch_")}
+    """Build a backend by name from its settings in `extra_config` (TIER_KEYS, the
+    tier's own, are left out). Any configuration mistake is a ValueError."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown storage backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    cfg = {k: v for k, v in parse_extra_config(extra_config).items() if k not in TIER_KEYS}
     if name == "file":
-        from .file import DEFAULT_DIR, FileBackend
-        unknown = set(cfg) - {"path", "fsync"}
+        from .file import SETTINGS, FileBackend
+        unknown = set(cfg) - set(SETTINGS)
         if unknown:
-            raise ValueError(f"file backend: unknown setting(s) {sorted(unknown)}; it takes path, fsync")
-        return FileBackend(cfg.get("path", DEFAULT_DIR), cfg.get("fsync", False))
+            raise ValueError(f"file backend: unknown setting(s) {sorted(unknown)}; it takes "
+                             f"{', '.join(SETTINGS)}")
+        return FileBackend(**cfg)
     if name == "redis":
         from .redis import RedisBackend
         return RedisBackend(**cfg)
     if name == "mooncake":
         from .mooncake import MooncakeBackend
         return MooncakeBackend(cfg)
-    if name == "dynamic":
-        return _dynamic(cfg)
-    raise ValueError(f"unknown storage backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    return _dynamic(cfg)
+
+
+def _check_finite(cfg: dict) -> None:
+    """Python's json reads NaN and Infinity, which no setting means. The built-in
+    backends check each setting's type and range; a user class may not, so for it they
+    are refused here (nested values included)."""
+    def walk(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return v
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else ()
+        return next((bad for x in items if (bad := walk(x)) is not None), None)
+
+    for k, v in cfg.items():
+        bad = walk(v)
+        if bad is not None:
+            raise ValueError(f"dynamic backend: setting {k!r} must be a finite number, got {bad!r}")
 
 
 def _dynamic(cfg: dict) -> StorageBackend:
     """A user class: {"module_path": "pkg.mod", "class_name": "MyBackend", ...}; the
-    other keys go to its constructor."""
+    other keys go to its constructor, checked against its signature first."""
     cfg = dict(cfg)
-    try:
-        module, cls_name = cfg.pop("module_path"), cfg.pop("class_name")
-    except KeyError as e:
-        raise ValueError(f"the dynamic backend needs {e.args[0]!r} in the extra config "
-                         f"(module_path and class_name)") from None
+    for k in ("module_path", "class_name"):
+        if k not in cfg:
+            raise ValueError(f"the dynamic backend needs {k!r} in the extra config "
+                             f"(module_path and class_name)")
+        if not isinstance(cfg[k], str) or not cfg[k]:
+            raise ValueError(f"dynamic backend: {k} must be a non-empty string, got {cfg[k]!r}")
+    module, cls_name = cfg.pop("module_path"), cfg.pop("class_name")
+    _check_finite(cfg)
+    where = f"{module}.{cls_name}"
     try:
         cls = getattr(importlib.import_module(module), cls_name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"dynamic backend: cannot load {module}.{cls_name}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - whatever importing raises is a bad setting
+        raise ValueError(f"dynamic backend: cannot load {where}: {_one_line(e)}") from None
     if not (isinstance(cls, type) and issubclass(cls, StorageBackend)):
-        raise ValueError(f"dynamic backend: {module}.{cls_name} is not a StorageBackend subclass")
-    return cls(**cfg)
+        raise ValueError(f"dynamic backend: {where} is not a StorageBackend subclass")
+    _check_keywords(where, cls, cfg)
+    try:
+        return cls(**cfg)
+    except Exception as e:  # noqa: BLE001 - a constructor that fails is a start-up error
+        given = ", ".join(cfg) or "no settings"   # names only: a value may be a secret
+        raise ValueError(f"dynamic backend: {where}({given}) failed: {_one_line(e)}") from None
+
+
+def _check_keywords(where: str, cls: type, cfg: dict) -> None:
+    """The settings against the constructor's signature, so that a misspelt or missing
+    keyword is named, not a TypeError from inside the class."""
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):   # none to check against: the constructor will say
+        return
+    try:
+        sig.bind(**cfg)
+    except TypeError as e:
+        params = sig.parameters.values()
+        names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        extra = sorted(set(cfg) - set(names))
+        if extra and not any(p.kind is p.VAR_KEYWORD for p in params):
+            raise ValueError(f"dynamic backend: {where} takes no setting {extra[0]!r}; it takes "
+                             f"{', '.join(names) or 'none'}") from None
+        raise ValueError(f"dynamic backend: {where}: {e}") from None
+
+
+def _one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"

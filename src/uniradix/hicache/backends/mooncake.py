@@ -69,12 +69,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import socket
 import threading
 import time
 
+from ..log_limit import LogLimiter
 from ..storage import StorageBackend, StorageUnavailable, check_key
 
 log = logging.getLogger("uniradix.hicache")
@@ -114,9 +116,10 @@ CODE_NAMES = {-1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_F
 NEEDED_CALLS = ("setup", "close", "batch_is_exist", "get_batch", "get", "upsert_batch", "upsert",
                 "remove", "remove_by_regex")
 EXISTS_CHUNK = 512   # keys per existence query: batch_exists stops at the first short one
+MAX_SIZE = (1 << 63) - 1   # sizes go to the store as 64-bit integers
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.:/-]{0,128}$")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.:/-]{0,128}\Z")
 
 
 def _code(rc: int) -> str:
@@ -150,10 +153,12 @@ def parse_size(value, what: str) -> int:
     elif isinstance(value, str) and (m := _SIZE_RE.match(value)):
         n = int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
     else:
-        raise ValueError(f"mooncake backend: {what} must be a number of bytes or a size like "
-                         f"'64MB', got {value!r}")
+        raise ValueError(f"mooncake backend: {what} must be a whole number of bytes or a size "
+                         f"like '64MB', got {value!r}")
     if n < 0:
         raise ValueError(f"mooncake backend: {what} must not be negative, got {value!r}")
+    if n > MAX_SIZE:
+        raise ValueError(f"mooncake backend: {what} must be less than 2**63 bytes, got {value!r}")
     return n
 
 
@@ -183,28 +188,34 @@ def resolve_settings(config: dict | None = None, environ=None) -> dict:
                              f"{k}={v!r})")
         given[name] = (k, v)
     out: dict = {}
+    where: dict[str, str] = {}   # setting -> how messages name it (and where it came from)
     for name, (env, default) in SETTINGS.items():
         if name in given:
-            out[name] = given[name][1]
+            k, out[name] = given[name]
+            where[name] = name if k == name else f"{name} (given as {k})"
         elif environ.get(env, "") != "":
-            out[name] = environ[env]
+            out[name], where[name] = environ[env], f"{name} (from the environment, {env})"
         else:
-            out[name] = default
-    if out["master"] is None or (isinstance(out["master"], str) and not out["master"].strip()):
+            out[name], where[name] = default, name
+    if out["master"] is None and "master" not in given:
         raise ValueError("mooncake backend: no master address: set MOONCAKE_MASTER=host:port "
                          "or 'master' in the extra config")
     for name in ("master", "te_meta_data_server", "protocol", "device", "local_hostname"):
         if not isinstance(out[name], str):
-            raise ValueError(f"mooncake backend: {name} must be a string, got {out[name]!r}")
+            what = "a string host:port" if name == "master" else "a string"
+            raise ValueError(f"mooncake backend: {where[name]} must be {what}, got {out[name]!r}")
+    if not out["master"].strip():
+        raise ValueError("mooncake backend: no master address: set MOONCAKE_MASTER=host:port "
+                         "or 'master' in the extra config")
     for name in ("master", "te_meta_data_server", "protocol", "local_hostname"):
         out[name] = out[name].strip()
         if not out[name]:
-            raise ValueError(f"mooncake backend: {name} must not be empty")
+            raise ValueError(f"mooncake backend: {where[name]} must not be empty")
     _split_address(out["master"])
-    out["global_segment_size"] = parse_size(out["global_segment_size"], "global_segment_size")
-    out["local_buffer_size"] = parse_size(out["local_buffer_size"], "local_buffer_size")
+    for name in ("global_segment_size", "local_buffer_size"):
+        out[name] = parse_size(out[name], where[name])
     if out["local_buffer_size"] < 1024:
-        raise ValueError(f"mooncake backend: local_buffer_size must be at least 1 KiB, "
+        raise ValueError(f"mooncake backend: {where['local_buffer_size']} must be at least 1 KiB, "
                          f"got {out['local_buffer_size']}")
     prefix = given.get("prefix", (None, DEFAULT_PREFIX))[1]
     if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
@@ -212,9 +223,10 @@ def resolve_settings(config: dict | None = None, environ=None) -> dict:
                          f"got {prefix!r}")
     out["prefix"] = prefix
     timeout = given.get("connect_timeout", (None, DEFAULT_CONNECT_TIMEOUT))[1]
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"mooncake backend: connect_timeout must be a positive number of "
-                         f"seconds, got {timeout!r}")
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not 0 < timeout < math.inf):
+        raise ValueError(f"mooncake backend: connect_timeout must be a positive, finite number "
+                         f"of seconds, got {timeout!r}")
     out["connect_timeout"] = float(timeout)
     return out
 
@@ -248,6 +260,7 @@ class MooncakeBackend(StorageBackend):
         self.counters = dict.fromkeys(("gets", "hits", "sets", "set_failures", "errors",
                                        "bytes_written", "bytes_read", "exists_calls", "deletes",
                                        "connects"), 0)
+        self.failure_log = LogLimiter(log, f"mooncake backend (master {self.master})")
         try:
             self._connect()
         except StorageUnavailable as e:
@@ -356,10 +369,30 @@ class MooncakeBackend(StorageBackend):
                         continue
                     if c != 0:
                         self._check_rc(c, "an existence query")
-                        log.warning("mooncake backend: existence query failed: %s", _code(c))
+                        self.failure_log.failure("failed existence checks",
+                                                 "existence query failed: %s", _code(c))
                         self._count(errors=1)
                     return run
         return run
+
+    def batch_contains(self, keys: list[str]) -> list[bool]:
+        """One batch_is_exist for all the keys (no chunks: every key is answered)."""
+        names = self._names(keys)
+        self._count(exists_calls=1)
+        if not names:
+            return []
+        with self._op() as store:
+            codes = self._rpc(store.batch_is_exist, names)
+        if len(codes) != len(names):
+            raise self._unavailable(f"answered {len(codes)} of {len(names)} existence queries")
+        failed = [c for c in codes if c not in (0, 1)]
+        for c in failed:
+            self._check_rc(c, "an existence query")
+        if failed:
+            self._count(errors=len(failed))
+            self.failure_log.failure("failed existence checks", "%d of %d existence queries failed: %s",
+                                     len(failed), len(names), _code(failed[0]), count=len(failed))
+        return [c == 1 for c in codes]
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         names = self._names(keys)
@@ -407,8 +440,8 @@ class MooncakeBackend(StorageBackend):
                 pending = again
         hits = sum(v is not None for v in out)
         if unreadable:
-            log.warning("mooncake backend: %d of %d objects present on %s could not be read",
-                        unreadable, len(names), self.master)
+            self.failure_log.failure("failed reads", "%d of %d objects present could not be read",
+                                     unreadable, len(names), count=unreadable)
         self._count(gets=len(names), hits=hits, errors=unreadable,
                     bytes_read=sum(len(v) for v in out if v is not None))
         return out
@@ -430,8 +463,8 @@ class MooncakeBackend(StorageBackend):
             if 0 < size <= self._max_value:
                 todo.append(i)
             elif size:
-                log.warning("mooncake backend: a %d-byte value is larger than local_buffer_size "
-                            "(%d): not stored", size, self._max_value)
+                self.failure_log.failure("failed sets", "a %d-byte value is larger than "
+                                         "local_buffer_size (%d): not stored", size, self._max_value)
         try:
             with self._op() as store:
                 for chunk in self._chunks(todo, values):
@@ -447,7 +480,8 @@ class MooncakeBackend(StorageBackend):
                         self._check_rc(rc, "an upsert")
                         ok[i] = rc == OK
                         if rc != OK:
-                            log.warning("mooncake backend: storing %s failed: %s", names[i], _code(rc))
+                            self.failure_log.failure("failed sets", "storing %s failed: %s",
+                                                     names[i], _code(rc))
         except StorageUnavailable:
             self._count(sets=len(names), set_failures=len(names))
             raise
@@ -477,7 +511,7 @@ class MooncakeBackend(StorageBackend):
         if rc == OK:
             return True
         if rc != OBJECT_NOT_FOUND:
-            log.warning("mooncake backend: removing %s failed: %s", name, _code(rc))
+            self.failure_log.failure("failed deletes", "removing %s failed: %s", name, _code(rc))
             self._count(errors=1)
         return False
 
@@ -510,6 +544,7 @@ class MooncakeBackend(StorageBackend):
             store, self._store = self._store, None
         if store is not None:
             _close_quietly(store)
+        self.failure_log.flush()
 
     def __repr__(self) -> str:
         return f"MooncakeBackend(master={self.master!r}, prefix={self.prefix!r})"

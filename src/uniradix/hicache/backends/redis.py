@@ -2,10 +2,12 @@
 object bytes. Works with any server that speaks the Redis protocol (redis-server,
 Valkey). Engines that point at the same server and prefix share their L3.
 
-Batch calls go through one pipeline each (one round trip). A server that cannot be
-reached or does not answer within `socket_timeout` raises `StorageUnavailable` naming
-the URL; a per-key error reply to a SET (OOM under `maxmemory` with `noeviction`, a
-read-only replica) stores nothing for that key and reports False for it.
+Batch calls go through one pipeline each (one round trip; batch_contains: one EXISTS
+per key, in one pipeline). A server that cannot be reached or does not answer within
+`socket_timeout` raises `StorageUnavailable` naming the URL; a per-key error reply to a
+SET (OOM under `maxmemory` with `noeviction`, a read-only replica) stores nothing for
+that key and reports False for it, counted in set_failures and warned about once (then
+in summaries, see log_limit.py).
 
 L3 eviction belongs to the server: give it a `maxmemory` and an eviction policy
 (`allkeys-lru`, say) if it should drop old objects rather than refuse new ones.
@@ -16,9 +18,11 @@ The `redis` package (redis-py) is imported only when a backend is built:
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from urllib.parse import urlsplit, urlunsplit
 
+from ..log_limit import LogLimiter
 from ..storage import KEY_RE, StorageBackend, StorageUnavailable, check_key
 
 log = logging.getLogger("uniradix.hicache")
@@ -75,9 +79,9 @@ class RedisBackend(StorageBackend):
         if not isinstance(prefix, str):
             raise ValueError(f"redis backend: prefix must be a string, got {prefix!r}")
         if (isinstance(socket_timeout, bool) or not isinstance(socket_timeout, (int, float))
-                or not socket_timeout > 0):
-            raise ValueError(f"redis backend: socket_timeout must be a positive number of "
-                             f"seconds, got {socket_timeout!r}")
+                or not 0 < socket_timeout < math.inf):
+            raise ValueError(f"redis backend: socket_timeout must be a positive, finite number "
+                             f"of seconds, got {socket_timeout!r}")
         redis = _redis_module()
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -92,6 +96,7 @@ class RedisBackend(StorageBackend):
         self.counters = dict.fromkeys(("gets", "hits", "sets", "set_failures", "errors",
                                        "bytes_written", "bytes_read", "exists_calls", "deletes",
                                        "bad_replies"), 0)
+        self.failure_log = LogLimiter(log, f"redis backend at {self.safe_url}")
         try:
             # One retry, only for a dropped connection (a pooled socket the server closed,
             # after a restart say); a timeout is never retried, so a call waits at most
@@ -144,22 +149,28 @@ class RedisBackend(StorageBackend):
             return pipe.execute(raise_on_error=False)
         return self._call(run)
 
-    # ------------------------------------------------------------------ the interface
-    def batch_exists(self, keys: list[str]) -> int:
+    def _exists(self, keys: list[str]) -> list[bool]:
+        """One pipeline of EXISTS, one per key (one round trip). An error reply is
+        False, counted (errors, bad_replies) and logged."""
         names = [self._k(k) for k in keys]
         self._count(exists_calls=1)
         if not names:
-            return 0
+            return []
         replies = self._pipeline(lambda p: [p.exists(n) for n in names])
-        run = 0
-        for r in replies:
-            if isinstance(r, Exception):
-                self._count(bad_replies=1)
-                break
-            if not r:
-                break
-            run += 1
-        return run
+        bad = [r for r in replies if isinstance(r, Exception)]
+        if bad:
+            self._count(bad_replies=len(bad), errors=len(bad))
+            self.failure_log.failure("failed existence checks", "%d of %d EXISTS failed: %s",
+                                     len(bad), len(names), _describe(bad[0]), count=len(bad))
+        return [not isinstance(r, Exception) and bool(r) for r in replies]
+
+    # ------------------------------------------------------------------ the interface
+    def batch_exists(self, keys: list[str]) -> int:
+        found = self._exists(keys)
+        return found.index(False) if False in found else len(found)
+
+    def batch_contains(self, keys: list[str]) -> list[bool]:
+        return self._exists(keys)
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         names = [self._k(k) for k in keys]
@@ -171,7 +182,7 @@ class RedisBackend(StorageBackend):
         for n, r in zip(names, replies):
             if isinstance(r, Exception) or (r is not None and not isinstance(r, bytes)):
                 # WRONGTYPE (someone else's value under our name) or the like: a miss.
-                log.warning("redis backend: reading %s from %s failed: %s", n, self.safe_url, r)
+                self.failure_log.failure("failed reads", "reading %s failed: %s", n, _describe(r))
                 bad += 1
                 out.append(None)
             elif r is None:
@@ -180,7 +191,7 @@ class RedisBackend(StorageBackend):
                 hits += 1
                 nbytes += len(r)
                 out.append(r)
-        self._count(gets=len(names), hits=hits, bytes_read=nbytes, bad_replies=bad)
+        self._count(gets=len(names), hits=hits, bytes_read=nbytes, bad_replies=bad, errors=bad)
         return out
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> list[bool]:
@@ -214,8 +225,8 @@ class RedisBackend(StorageBackend):
                 ok.append(True)
         self._count(sets=len(names), set_failures=failed, bytes_written=nbytes)
         if failed:
-            log.warning("redis backend: %d of %d sets refused by %s: %s", failed, len(names),
-                        self.safe_url, first_error)
+            self.failure_log.failure("failed sets", "%d of %d sets refused: %s", failed,
+                                     len(names), _describe(first_error), count=failed)
         return ok
 
     def delete(self, key: str) -> bool:
@@ -257,6 +268,7 @@ class RedisBackend(StorageBackend):
         if self._closed:
             return
         self._closed = True
+        self.failure_log.flush()
         try:
             self.pool.disconnect()
         except Exception as e:  # noqa: BLE001 - closing must not raise
@@ -269,3 +281,10 @@ class RedisBackend(StorageBackend):
 def _glob_escape(s: str) -> str:
     """Escape the characters Redis MATCH patterns treat specially."""
     return "".join("\\" + c if c in "*?[]\\^" else c for c in s)
+
+
+def _describe(reply) -> str:
+    """An error reply as its kind and text (OutOfMemoryError: ...), else its repr."""
+    if isinstance(reply, Exception):
+        return f"{type(reply).__name__}: {reply}"
+    return repr(reply)
