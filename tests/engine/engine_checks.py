@@ -214,4 +214,5 @@ def run_checked(engine: Engine, requests, *, every_step: bool = True) -> dict:
         if every_step:
             check_ownership(engine)
         assert seen["steps"] < 10_000, "the engine does not make progress"
+    engine.flush_writes()  # as Engine.run: over once its L3 writes have reached the store
     return seen

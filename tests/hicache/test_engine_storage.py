@@ -151,7 +151,34 @@ def test_corrupt_and_truncated_objects_are_never_used(tmp_path):
     check_exact(b, r)  # recomputed, exact
     s = b.stats()
     assert r.metrics.storage_tokens == 0 and s["storage_failed_loads"] == 1
-    assert b.l3.counters["corrupt"] == 1
+    # every bad object the read met is counted and deleted at once
+    assert b.l3.counters["corrupt"] == b.l3.counters["deleted"] == len(files)
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "gemma3-like", "jamba-like"])
+def test_a_damaged_object_is_replaced_by_the_recomputed_data(tmp_path, name):
+    """One flipped byte must not turn L3 reuse off for that prefix: the read that finds
+    it deletes it, the request computes, its write-through stores the data afresh, and a
+    fresh engine then reuses the whole prefix from L3 again."""
+    a = engine(name, 4, FileBackend(str(tmp_path)))
+    _, nxt = conversation(a, random.Random(16), turns=1)
+    files = sorted(f for f in os.listdir(tmp_path) if not f.startswith("."))
+    victim = tmp_path / files[len(files) // 2]
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0x01
+    victim.write_bytes(bytes(data))
+    b = engine(name, 4, FileBackend(str(tmp_path)))
+    r = greedy(nxt, 3)
+    b.run([r])
+    check_exact(b, r)
+    assert r.metrics.storage_tokens == 0 and b.l3.counters["corrupt"] == 1 and b.l3.counters["deleted"] == 1
+    for turn in range(2):  # the following turns, each on a fresh engine: reuse is back
+        c = engine(name, 4, FileBackend(str(tmp_path)))
+        r2 = greedy(nxt, 3)
+        c.run([r2])
+        check_exact(c, r2)
+        assert r2.metrics.storage_tokens == page_floor(len(nxt) - 1, 4), turn
+        assert c.l3.counters["corrupt"] == 0
 
 
 def test_a_full_disk_still_serves(tmp_path, monkeypatch):
@@ -166,6 +193,26 @@ def test_a_full_disk_still_serves(tmp_path, monkeypatch):
     assert store.stats()["set_failures"] > 0 and eng.stats()["storage_saved_objects"] == 0
     assert reqs[-1].metrics.cached_tokens > 0
     check_flush(eng)
+
+
+def test_a_read_only_store_counts_every_failure_and_logs_a_few_lines(tmp_path, monkeypatch, caplog):
+    """Every refused write is an error in the engine's summary (not 0 while the log
+    fills up), and the log says it once, then in summaries."""
+    store = FileBackend(str(tmp_path))
+
+    def read_only(tmp, value):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(store, "_write", read_only)
+    eng = engine("tiny-hybrid", 1, store)
+    with caplog.at_level("WARNING", logger="uniradix"):
+        conversation(eng, random.Random(20), turns=2)
+        eng.close()
+        store.close()
+    failed = store.stats()["set_failures"]
+    assert failed > 100 and eng.stats()["storage_errors"] == failed
+    lines = [r for r in caplog.records if "Read-only" in r.getMessage()]
+    assert 1 <= len(lines) <= 3, [r.getMessage() for r in lines]
 
 
 @pytest.fixture(scope="module")
@@ -383,3 +430,135 @@ def test_conversations_under_pressure_over_l3_stay_exact(tmp_path, name, page):
     assert from_store > 0 and s["errors"] == 0
     assert s["preemptions"] > 0 and s["cache"]["components"]["full"]["evicted"] > 0
     check_flush(eng)
+
+
+class Recording(FileBackend):
+    """A file store that records each call and the thread it ran on."""
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.calls = []
+
+    def _log(self, name, n):
+        import threading
+        self.calls.append((name, n, threading.current_thread().name))
+
+    def batch_exists(self, keys):
+        self._log("batch_exists", len(keys))
+        return super().batch_exists(keys)
+
+    def batch_contains(self, keys):
+        self._log("batch_contains", len(keys))
+        return super().batch_contains(keys)
+
+    def batch_get(self, keys):
+        self._log("batch_get", len(keys))
+        return super().batch_get(keys)
+
+    def batch_set(self, keys, values):
+        self._log("batch_set", len(keys))
+        return super().batch_set(keys, values)
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "full-only"])
+def test_store_io_is_batched_and_off_the_scheduler_thread(tmp_path, name):
+    """A 2,000-token request at page size 1 is written through in one membership call
+    and one set (not one round trip per key), on the I/O thread; the scheduler's thread
+    never waits on the store, for writes or for reads."""
+    import threading
+    store = Recording(str(tmp_path))
+    eng = Engine(name, page_size=1, max_total_tokens=4096, storage=store, storage_prefetch_threshold=1)
+    rng = random.Random(17)
+    r = greedy([rng.randrange(256) for _ in range(2000)], 3)
+    eng.run([r])
+    check_exact(eng, r)
+    writes = [c for c in store.calls if c[0] in ("batch_contains", "batch_set")]
+    assert [c[0] for c in writes] == ["batch_contains", "batch_set"], store.calls
+    assert writes[0][1] >= 2000 and writes[1][1] == writes[0][1]
+    main = threading.main_thread().name
+    assert all(t != main for _, _, t in store.calls), store.calls
+    # the next turn, on a fresh engine: reads are batched and off the scheduler's thread too
+    store.calls.clear()
+    b = Engine(name, page_size=1, max_total_tokens=4096, storage=store, storage_prefetch_threshold=1,
+               storage_prefetch_policy="wait_complete")
+    r2 = greedy(r.input_ids + r.output_ids + [1, 2, 3], 2)
+    b.run([r2])
+    check_exact(b, r2)
+    assert r2.metrics.storage_tokens > 0
+    assert all(t != main for _, _, t in store.calls), store.calls
+    assert sum(1 for c in store.calls if c[0] == "batch_get") == 1
+    # a second write of the same path asks nothing of the store: its keys are known
+    store.calls.clear()
+    assert b.l3.save_cached(r2.input_ids) == 0 and store.calls == []
+    eng.close()
+    b.close()
+
+
+def test_other_weights_of_one_architecture_do_not_share(tmp_path):
+    """The namespace identifies the weights, not only the config: an engine given other
+    weights for the same preset must not read the first one's KV (it would answer
+    wrongly); the same weights again, or a fleet's own model name, share."""
+    from uniradix.model import init_weights, preset
+    cfg = preset("tiny-hybrid")
+    mine, other = init_weights(cfg), init_weights(cfg.with_(seed=9))
+    a = Engine(cfg, weights=mine, page_size=4, max_total_tokens=2048, storage=FileBackend(str(tmp_path)),
+               storage_prefetch_threshold=1)
+    _, nxt = conversation(a, random.Random(18), turns=1)
+    b = Engine(cfg, weights=other, page_size=4, max_total_tokens=2048, storage=FileBackend(str(tmp_path)),
+               storage_prefetch_threshold=1)
+    r = greedy(nxt, 3)
+    b.run([r])
+    check_exact(b, r)  # exact for b's own weights: nothing of a's was used
+    assert r.metrics.storage_tokens == 0
+    c = Engine(cfg, weights={k: v for k, v in mine.items()}, page_size=4, max_total_tokens=2048,
+               storage=FileBackend(str(tmp_path)), storage_prefetch_threshold=1)
+    r2 = greedy(nxt, 3)
+    c.run([r2])
+    check_exact(c, r2)
+    assert r2.metrics.storage_tokens > 0  # the same weights: the same namespace
+    # a fleet that names its models itself: the name is the namespace
+    named = [Engine(cfg, weights=w, page_size=4, max_total_tokens=2048, storage=FileBackend(str(tmp_path)),
+                    storage_prefetch_threshold=1, model_fingerprint="acme/tiny@v1") for w in (mine, mine)]
+    r3 = greedy(nxt, 3)
+    named[0].run([r3])
+    assert r3.metrics.storage_tokens == 0  # nothing was written under that name yet
+    r4 = greedy(nxt + [5, 6, 7, 8, 9], 3)
+    named[1].run([r4])
+    check_exact(named[1], r4)
+    assert r4.metrics.storage_tokens > 0
+    with pytest.raises(ValueError, match="model_fingerprint"):
+        Engine(cfg, storage=FileBackend(str(tmp_path)), model_fingerprint="")
+
+
+def test_with_a_secret_forged_objects_are_misses(tmp_path, monkeypatch):
+    """With a secret, an object rewritten by someone without it (a fresh, valid unkeyed
+    checksum over other data) is refused, counted, deleted and recomputed; engines that
+    share the secret share the data."""
+    from uniradix.hicache import page_keys
+    from uniradix.hicache.objects import pack_object, unpack_object
+    secret = "s3cret-for-the-fleet"
+    a = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)), storage_secret=secret)
+    (first,), nxt = conversation(a, random.Random(19), turns=1)
+    b = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)), storage_secret=secret)
+    r = greedy(nxt, 3)
+    b.run([r])
+    check_exact(b, r)
+    assert r.metrics.storage_tokens > 0  # same secret: shared
+    # a writer without the secret replaces one FULL page with its own data and checksum
+    ns, seed = a.l3.namespace, a.l3.namespace.seed()
+    key = page_keys(nxt, ns)[2]
+    path = tmp_path / key
+    payload = unpack_object(path.read_bytes(), key, seed, secret.encode())
+    path.write_bytes(pack_object(key, bytes(len(payload)), seed))
+    monkeypatch.setenv("UNIRADIX_L3_SECRET", secret)  # the variable works as the keyword does
+    c = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)))
+    r2 = greedy(nxt, 3)
+    c.run([r2])
+    check_exact(c, r2)
+    assert r2.metrics.storage_tokens == 0
+    assert c.l3.counters["unauthenticated"] == 1 and c.l3.counters["deleted"] == 1
+    d = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)))  # c stored the recomputed page again
+    r3 = greedy(nxt, 3)
+    d.run([r3])
+    check_exact(d, r3)
+    assert r3.metrics.storage_tokens > 0

@@ -11,13 +11,14 @@ junction and the resume point is kept, so the tree can resume later requests the
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 
 import torch
 
 from ..cache import CacheFull, CachedRequest
-from ..model import ByteTokenizer, HybridConfig, init_weights, preset
+from ..model import ByteTokenizer, HybridConfig, init_weights, load_weights, preset
 from ..model.paged import PagedInput, paged_forward
 from ..tree.component import page_floor
 from .build import build_cache
@@ -28,6 +29,8 @@ from .sampling import sample
 log = logging.getLogger("uniradix.engine")
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+#: L3 writes queued on the I/O thread beyond which new ones are dropped (and counted)
+MAX_PENDING_WRITES = 256
 
 
 class _Seq:
@@ -85,14 +88,22 @@ class Engine:
                  prefetch_timeout_per_ki_token: float = 0.25, prefetch_timeout_max: float = 3.0,
                  hicache_write_policy: str = "write_through", write_through_threshold: int = 2,
                  enable_hierarchical_cache: bool = False, hicache_ratio: float = 2.0,
-                 hicache_size: float | None = None, rank: int = 0) -> None:
+                 hicache_size: float | None = None, rank: int = 0, model_fingerprint: str | None = None,
+                 storage_secret: str | bytes | None = None) -> None:
         self.cfg = preset(config) if isinstance(config, str) else config
         if chunked_prefill_size < 1:
             raise ValueError(f"chunked_prefill_size must be at least 1, got {chunked_prefill_size}")
         if max_running_requests < 1:
             raise ValueError(f"max_running_requests must be at least 1, got {max_running_requests}")
         self.device = _check_device(device)
-        w = init_weights(self.cfg) if weights is None else weights
+        self.weights_path = None
+        if weights is None:
+            w = init_weights(self.cfg)
+        elif isinstance(weights, dict):
+            w = weights
+        else:  # a safetensors file
+            self.weights_path = os.fspath(weights)
+            w = load_weights(self.cfg, self.weights_path)
         self.weights = _to(w, self.device)
         if max_mamba_cache_size is None:
             max_mamba_cache_size = 4 * max_running_requests + 64
@@ -118,11 +129,13 @@ class Engine:
         self.running: list[_Seq] = []
         self.counters = dict(steps=0, finished=0, errors=0, preemptions=0, prefill_tokens=0,
                              cached_tokens=0, prompt_tokens=0, decode_tokens=0, checkpoints_skipped=0,
-                             storage_tokens=0, storage_errors=0, storage_saved_objects=0, storage_prefetches=0,
-                             storage_prefetch_abandoned=0, host_tokens=0)
+                             storage_tokens=0, storage_errors=0, storage_prefetches=0,
+                             storage_prefetch_abandoned=0, storage_writes_dropped=0, host_tokens=0)
         self.l3 = None
         self._io = None
+        self._io_write = None
         self.prefetching: list = []
+        self.writing: list = []  # L3 writes on the I/O thread
         if storage_prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"unknown prefetch policy {storage_prefetch_policy!r}; "
                              f"choose one of {', '.join(PREFETCH_POLICIES)}")
@@ -138,10 +151,27 @@ class Engine:
             from ..hicache.l3 import L3Store
             if storage_prefetch_threshold < 0:
                 raise ValueError(f"storage_prefetch_threshold must be >= 0, got {storage_prefetch_threshold}")
-            self.l3 = L3Store(self.cache, storage, StorageNamespace.for_model(self.cfg, page_size, rank))
+            from ..hicache.objects import resolve_secret
+            secret = storage_secret if isinstance(storage_secret, bytes) else resolve_secret(storage_secret)
+            if model_fingerprint is not None:  # the fleet names the model (and its weights) itself
+                if not isinstance(model_fingerprint, str) or not model_fingerprint:
+                    raise ValueError(f"model_fingerprint must be a non-empty string, got {model_fingerprint!r}")
+                ns = StorageNamespace.for_model(model_fingerprint, page_size, rank)
+            else:
+                ns = StorageNamespace.for_model(self.cfg, page_size, rank, weights=self._weights_fingerprint())
+            self.l3 = L3Store(self.cache, storage, ns, secret)
             self.storage_threshold = max(storage_prefetch_threshold, 1)
             if hicache_write_policy == "write_back" and self.hierarchical:
                 self.cache.host_evict_hook = self._write_back_node
+
+    def _weights_fingerprint(self) -> str:
+        """What the L3 namespace knows the weights by: a file's content digest (cached on
+        disk by path, size and mtime, so a restart does not rehash it), else a digest of
+        the tensors themselves."""
+        from ..model.fingerprint import file_fingerprint, weights_fingerprint
+        if self.weights_path is not None:
+            return file_fingerprint(self.weights_path)
+        return weights_fingerprint(self.weights)
 
     # ------------------------------------------------------------------ requests in
     def submit(self, req: Request) -> Request:
@@ -211,8 +241,8 @@ class Engine:
 
     # ------------------------------------------------------------------ driving
     def run(self, requests: list[Request], progress=None) -> list[Request]:
-        """Submit the requests and step until all are done; `progress(req)` is called as
-        each one finishes."""
+        """Submit the requests and step until all are done and their L3 writes have
+        reached the store; `progress(req)` is called as each one finishes."""
         for r in requests:
             if r.status == "new":
                 self.submit(r)
@@ -222,6 +252,7 @@ class Engine:
             for r in self.step():
                 if progress:
                     progress(r)
+        self.flush_writes()  # the run is over once its work is in the store too
         return requests
 
     def generate(self, input_ids=None, text=None, **sampling) -> Request:
@@ -236,6 +267,8 @@ class Engine:
         done: list[Request] = []
         if self.prefetching:
             self._poll_prefetches(done)
+        if self.writing:
+            self._poll_writes()
         self._admit(done)
         batch = self._schedule(done)
         if not batch and self.prefetching:
@@ -415,9 +448,14 @@ class Engine:
         """Stop the I/O threads and wait for host loads (the store itself belongs to the
         caller)."""
         self.cache.sync_loads()
-        if self._io is not None:
-            self._io.shutdown(wait=True, cancel_futures=True)
-            self._io = None
+        self.flush_writes()
+        for name in ("_io", "_io_write"):
+            ex = getattr(self, name)
+            if ex is not None:
+                ex.shutdown(wait=True, cancel_futures=True)
+                setattr(self, name, None)
+        if self.l3 is not None:
+            self.l3.close()
 
     def _match(self, seq: _Seq) -> CachedRequest:
         """Match all but the last token, so at least one is computed and gives the
@@ -576,30 +614,52 @@ class Engine:
             self._detach(seq)
 
     def _write_back_node(self, nd, ci: int) -> None:
-        """The host tier is about to lose what node nd holds only there: write it to L3
-        first (write_back). A failing store costs only that reuse."""
-        from ..hicache import StorageUnavailable
+        """The host tier is about to lose what node nd holds only there: its bytes are
+        read now and written to L3 on the I/O thread (write_back)."""
         try:
-            self.counters["storage_saved_objects"] += self.l3.save_host_node(nd)
-        except StorageUnavailable:
-            self.counters["storage_errors"] += 1
-        except Exception:
+            self._submit_write(self.l3.prepare_host_node(nd))
+        except Exception:  # the host copy is lost either way; only L3 misses it
             log.exception("L3 write-back failed")
             self.counters["storage_errors"] += 1
 
     def _write_through(self, seq: _Seq) -> None:
-        from ..hicache import StorageUnavailable
+        """The finished request's path goes to L3: the tree and the pools are read here
+        (this thread owns them), the store is asked and written on the I/O thread."""
         if self.cache.host_evict_hook is not None:
             return  # write_back: L3 gets what the host tier evicts
         self.cache.sync_loads()  # the path may hold pages a load is still filling
         try:
-            self.counters["storage_saved_objects"] += self.l3.save_cached(
-                seq.tokens[:seq.computed], seq.req.salt, self.cache.write_min_hits)
-        except StorageUnavailable:
-            self.counters["storage_errors"] += 1
-        except Exception:  # the request is cached and done; the store only missed a write
+            job = self.l3.prepare_cached(seq.tokens[:seq.computed], seq.req.salt, self.cache.write_min_hits)
+        except Exception:  # the request is cached and done; the store only misses a write
             log.exception("L3 write-through for request %s failed", seq.req.rid)
             self.counters["storage_errors"] += 1
+            return
+        self._submit_write(job)
+
+    def _submit_write(self, job) -> None:
+        if job is None:
+            return
+        self._poll_writes()
+        if len(self.writing) >= MAX_PENDING_WRITES:  # the store falls behind: this write is dropped
+            self.counters["storage_writes_dropped"] += 1
+            return
+        if self._io_write is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._io_write = ThreadPoolExecutor(max_workers=1, thread_name_prefix="uniradix-l3-write")
+        self.writing.append(self._io_write.submit(self.l3.commit, job))
+
+    def _poll_writes(self, wait: bool = False) -> None:
+        """Forget finished writes (commit counts its own outcome); with `wait`, first let
+        every pending one finish."""
+        if wait:
+            for f in self.writing:
+                f.exception()
+        self.writing = [f for f in self.writing if not f.done()]
+
+    def flush_writes(self) -> None:
+        """Wait until every write-through and write-back handed to the I/O thread has
+        reached the store (or failed, counted)."""
+        self._poll_writes(wait=True)
 
     def _release(self, seq: _Seq) -> None:
         self.cache.release(self._detach(seq))
@@ -616,8 +676,13 @@ class Engine:
         c["running"] = len(self.running)
         c["cache"] = self.cache.stats()
         if self.l3 is not None:
-            c["storage_loads"] = self.l3.counters["loads"]
-            c["storage_failed_loads"] = self.l3.counters["failed_loads"]
+            lc = dict(self.l3.counters)
+            c["storage_loads"] = lc["loads"]
+            c["storage_failed_loads"] = lc["failed_loads"]
+            c["storage_saved_objects"] = lc["saved_objects"]
+            # every failure counts: calls that raised, here or on the I/O threads, and sets refused
+            c["storage_errors"] += lc["errors"] + lc["failed_sets"]
+            c["storage_pending_writes"] = len(self.writing)
             c["storage"] = self.l3.stats()
         return c
 

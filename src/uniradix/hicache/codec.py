@@ -11,6 +11,10 @@ import torch
 
 
 def _pool_rows(pool) -> list[tuple[torch.Tensor, int]]:
+    """A pool that only counts (the FULL pool of a model with no full-attention layer)
+    has no rows: its handles are empty bytes, so it travels through the tiers like any."""
+    if getattr(pool, "accounting_only", False):
+        return []
     return [(t, 1) for t in pool.handle_tensors()]
 
 
@@ -32,6 +36,8 @@ def sidecar_row_nbytes(sidecar) -> int:
 
 def _read(parts, handles, device) -> list[bytes]:
     """One bytes object per handle: each tensor's row for it, concatenated."""
+    if not parts:
+        return [b""] * len(handles)
     idx = torch.as_tensor(list(handles), dtype=torch.long, device=device)
     rows = torch.cat([t.index_select(dim, idx).movedim(dim, 0).contiguous().view(len(idx), -1)
                       .view(torch.uint8).cpu() for t, dim in parts], dim=1)
@@ -48,6 +54,8 @@ def _write(parts, handles, blobs: list[bytes], device, what: str) -> None:
     bad = [len(b) for b in blobs if len(b) != n]
     if bad:
         raise ValueError(f"{what}: a handle holds {n} bytes, got blobs of {bad[:3]} bytes")
+    if not parts:
+        return
     rows = torch.frombuffer(bytearray(b"".join(blobs)), dtype=torch.uint8).view(len(handles), n)
     idx = torch.as_tensor(handles, dtype=torch.long, device=device)
     off = 0
