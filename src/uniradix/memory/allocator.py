@@ -104,6 +104,11 @@ class HandleAllocator:
 
     #: batches up to this size take a scalar path: numpy's per-call cost dominates there
     SMALL = 8
+    #: the most handles one allocator can own (they are int32)
+    MAX_SIZE = _I32_MAX
+    #: host bytes each handle costs while the allocator is built: the free stack, the
+    #: ownership state and the descending range the stack is filled from (8 once built)
+    BYTES_PER_HANDLE = 3 * _I32.itemsize
 
     def __init__(self, size: int, name: str = "pages"):
         try:
@@ -112,14 +117,16 @@ class HandleAllocator:
             raise TypeError(f"{name}: size must be an int, got {type(size).__name__}") from None
         if size <= 0:
             raise ValueError(f"{name}: size must be positive, got {size}")
-        if size > _I32_MAX:
+        if size > self.MAX_SIZE:
             raise ValueError(f"{name}: size {size} does not fit int32 handles")
         self._size = size
         self._name = str(name)
         # Descending stack, so the first allocations hand out low handles.
         # A fixed-capacity stack: _free[:_top] are the free handles. Never resized,
         # so a shrinking free list never pays for a realloc-and-copy.
-        self._free = array("i", range(size - 1, -1, -1))
+        # (filled from numpy: an array built from a Python range takes seconds per 10**7)
+        self._free = array("i")
+        self._free.frombytes(memoryview(np.arange(size - 1, -1, -1, dtype=_I32)).cast("B"))
         self._top = size
         self._state = np.ones(size, dtype=np.int32)
         self._mark = np.arange(1, 1025, dtype=np.int32)

@@ -6,10 +6,12 @@ give."""
 from __future__ import annotations
 
 import math
+import numbers
 
 import numpy as np
 import torch
 
+from .budget import handle_count
 from .kv import KVPool
 from .mamba import MambaStatePool
 from .pool import HandlePool
@@ -58,11 +60,14 @@ def host_sizes(pools: dict, *, ratio: float = 2.0, size_gb: float | None = None)
     """Host handle counts per pool name. ``ratio`` times each device pool's handles, or,
     when ``size_gb`` is given, the ratio that fills ``size_gb`` GiB with the pools that
     hold tensors (accounting-only pools follow the same ratio). The host tier must be
-    larger than the device tier: a host copy of everything on the device is the point."""
+    larger than the device tier: a host copy of everything on the device is the point.
+    ``pools`` may be pools or plans of them (anything with ``size``, ``nbytes`` and
+    ``accounting_only``), so the sizes can be checked before anything is allocated."""
     if size_gb is not None:
-        if not (isinstance(size_gb, (int, float)) and math.isfinite(size_gb) and size_gb > 0):
+        flags = ("--hicache-size",)
+        if not (_is_number(size_gb) and math.isfinite(size_gb) and size_gb > 0):
             raise ValueError(f"--hicache-size must be a positive number of GB, got {size_gb!r}")
-        asked = int(size_gb * 2**30)
+        asked = size_gb * 2**30
         device_bytes = sum(p.nbytes for p in pools.values() if not p.accounting_only)
         if device_bytes == 0:
             raise ValueError("--hicache-size needs pools that hold tensors (these are "
@@ -70,12 +75,22 @@ def host_sizes(pools: dict, *, ratio: float = 2.0, size_gb: float | None = None)
         ratio = asked / device_bytes
         if ratio <= 1:
             raise ValueError(
-                f"--hicache-size {size_gb} GB ({asked} bytes) must be larger than the device "
+                f"--hicache-size {size_gb} GB ({int(asked)} bytes) must be larger than the device "
                 f"tier ({device_bytes} bytes): the host tier must be larger than the device tier")
-    elif not (isinstance(ratio, (int, float)) and math.isfinite(ratio) and ratio > 1):
+    elif _is_number(ratio) and math.isfinite(ratio) and ratio > 1:
+        flags = ("--hicache-ratio",)
+    else:
         raise ValueError(f"--hicache-ratio must be greater than 1 (the host tier must be larger "
                          f"than the device tier), got {ratio!r}")
-    return {name: max(int(p.size * ratio), p.size + 1) for name, p in pools.items()}
+    # a ratio of 1e300 makes inf handles: count them as floats, refuse before int()
+    return {name: handle_count(max(p.size * ratio, p.size + 1),
+                               f"the host copy of {getattr(p, 'what', f'pool {name!r}')}",
+                               getattr(p, "unit", "handles"), flags)
+            for name, p in pools.items()}
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 class HandleCopy:

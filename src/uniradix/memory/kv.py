@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ._checks import positive_int, torch_dtype
@@ -32,12 +30,18 @@ class KVPool(HandlePool):
         self._num_kv_heads = positive_int(num_kv_heads, f"KVPool {name!r} num_kv_heads")
         self._head_dim = positive_int(head_dim, f"KVPool {name!r} head_dim")
         self._dtype = torch_dtype(dtype, f"KVPool {name!r} dtype")
+        self._shape = dict(page_size=self._page_size, num_kv_heads=self._num_kv_heads,
+                           head_dim=self._head_dim, dtype=self._dtype)
         self._k = self._v = None
         if not self._accounting_only:
-            shape = (len(self._layer_ids), self.size, *self.page_shape)
-            kw = dict(dtype=self._dtype, device=self._device, pin_memory=self._pin_memory)
-            self._k = torch.zeros(shape, **kw)
-            self._v = torch.zeros(shape, **kw)
+            self._k, self._v = self._zeros()
+
+    @staticmethod
+    def handle_rows(*, page_size: int, num_kv_heads: int, head_dim: int,
+                    dtype: torch.dtype = torch.float16):
+        """One layer's K row and V row for one page."""
+        page = (page_size, num_kv_heads, head_dim)
+        return [(page, dtype), (page, dtype)]
 
     @property
     def num_pages(self) -> int:
@@ -63,9 +67,6 @@ class KVPool(HandlePool):
     def page_shape(self) -> tuple[int, int, int]:
         """Shape of one page of one layer's K (or V)."""
         return (self._page_size, self._num_kv_heads, self._head_dim)
-
-    def _own_bytes_per_handle(self) -> int:
-        return 2 * len(self._layer_ids) * math.prod(self.page_shape) * self._dtype.itemsize
 
     def _handle_tensors(self) -> list[torch.Tensor]:
         return [self._k, self._v]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -37,13 +35,18 @@ class MambaStatePool(HandlePool):
         self._conv_dtype = torch_dtype(dtype, f"MambaStatePool {name!r} dtype")
         self._state_dtype = torch_dtype(dtype if state_dtype is None else state_dtype,
                                         f"MambaStatePool {name!r} state_dtype")
+        self._shape = dict(conv_shape=self._conv_shape, state_shape=self._state_shape,
+                           dtype=self._conv_dtype, state_dtype=self._state_dtype)
         self._conv = self._state = None
         if not self._accounting_only:
-            lead = (len(self._layer_ids), self.size)
-            self._conv = torch.zeros((*lead, *self._conv_shape), dtype=self._conv_dtype,
-                                     device=self._device, pin_memory=self._pin_memory)
-            self._state = torch.zeros((*lead, *self._state_shape), dtype=self._state_dtype,
-                                      device=self._device, pin_memory=self._pin_memory)
+            self._conv, self._state = self._zeros()
+
+    @staticmethod
+    def handle_rows(*, conv_shape, state_shape, dtype: torch.dtype = torch.float32,
+                    state_dtype: torch.dtype | None = None):
+        """One layer's conv row and recurrent-state row for one slot."""
+        return [(shape_tuple(conv_shape, "conv_shape"), dtype),
+                (shape_tuple(state_shape, "state_shape"), dtype if state_dtype is None else state_dtype)]
 
     @property
     def num_slots(self) -> int:
@@ -64,11 +67,6 @@ class MambaStatePool(HandlePool):
     @property
     def state_dtype(self) -> torch.dtype:
         return self._state_dtype
-
-    def _own_bytes_per_handle(self) -> int:
-        n = len(self._layer_ids)
-        return n * (math.prod(self._conv_shape) * self._conv_dtype.itemsize
-                    + math.prod(self._state_shape) * self._state_dtype.itemsize)
 
     def _handle_tensors(self) -> list[torch.Tensor]:
         return [self._conv, self._state]

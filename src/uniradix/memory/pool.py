@@ -3,6 +3,7 @@ accounting-only switch that lets a simulator run the cache with no memory."""
 
 from __future__ import annotations
 
+import math
 from array import array
 from operator import index as _as_int
 from types import MappingProxyType
@@ -25,8 +26,10 @@ def index_tensor(idx: np.ndarray, device: torch.device) -> torch.Tensor:
 class HandlePool:
     """Base for pools whose rows are indexed by allocator handles.
 
-    Subclasses allocate their tensors only when ``accounting_only`` is false
-    and describe their per-handle cost in ``_own_bytes_per_handle``.
+    Subclasses describe their buffers in ``handle_rows`` (one layer's row of each
+    buffer for one handle) and allocate them with ``_zeros`` only when
+    ``accounting_only`` is false; what a handle costs follows from the same rows
+    (``bytes_per_handle_for``), so a size can be checked before a pool exists.
     """
 
     kind = "HandlePool"
@@ -92,8 +95,30 @@ class HandlePool:
         """Total tensor bytes (computed from shapes, also when accounting-only)."""
         return self.size * self.bytes_per_handle
 
-    def _own_bytes_per_handle(self) -> int:
+    @staticmethod
+    def handle_rows(**shape) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of one layer's row, for one handle, of each buffer the
+        constructor allocates with these shape arguments (each buffer is
+        ``[num_layers, size, *row]``)."""
         raise NotImplementedError
+
+    @classmethod
+    def bytes_per_handle_for(cls, num_layers: int, **shape) -> int:
+        """Tensor bytes one handle of a pool built with ``shape`` (the constructor's
+        shape and dtype arguments) costs over ``num_layers`` layers, sidecars aside;
+        what the constructor allocates, priced before anything is."""
+        return num_layers * sum(math.prod(row) * dtype.itemsize
+                                for row, dtype in cls.handle_rows(**shape))
+
+    def _own_bytes_per_handle(self) -> int:
+        return self.bytes_per_handle_for(len(self._layer_ids), **self._shape)
+
+    def _zeros(self) -> list[torch.Tensor]:
+        """The buffers ``handle_rows`` describes, zeroed (for pools that hold tensors)."""
+        lead = (len(self._layer_ids), self.size)
+        return [torch.zeros((*lead, *row), dtype=dtype, device=self._device,
+                            pin_memory=self._pin_memory)
+                for row, dtype in self.handle_rows(**self._shape)]
 
     def handle_tensors(self) -> list[torch.Tensor]:
         """The pool's own buffers, each ``[num_layers, size, ...]``: what one handle
