@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
@@ -13,7 +14,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     from .tree import POLICIES
     g = p.add_argument_group("engine (SGLang's flag names)")
     g.add_argument("--model-preset", default="tiny-hybrid", choices=sorted(PRESETS),
-                   help="layer layout of the embedded reference model (default: tiny-hybrid, F+S+M)")
+                   help="layer layout of the embedded reference model (tiny-hybrid: F+S+M)")
     g.add_argument("--model-path", default=None,
                    help="a safetensors file of weights for the preset (default: seeded weights)")
     g.add_argument("--page-size", type=int, default=1, help="tokens per KV page")
@@ -27,7 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=16, help="requests in a batch")
     g.add_argument("--radix-eviction-policy", default="lru", choices=POLICIES, help="eviction order")
     g.add_argument("--disable-radix-cache", action="store_true", help="reuse nothing (the baseline)")
-    g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--enable-hierarchical-cache", action="store_true",
                    help="add the host tier (L2): host copies of every pool, loaded back layer by layer")
     g.add_argument("--hicache-ratio", type=float, default=2.0,
@@ -55,22 +56,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_from_args(a: argparse.Namespace):
     from .engine import Engine
-    from .model import load_weights, preset
+    from .model import preset
     cfg = preset(a.model_preset)
-    weights = load_weights(cfg, a.model_path) if a.model_path else None
+    weights = a.model_path  # a file the engine loads (and fingerprints for L3), or seeded weights
     storage, prefetch = None, {}
     if a.hicache_storage_backend:
         from .hicache.backends import make_backend, parse_extra_config
         extra = parse_extra_config(a.hicache_storage_backend_extra_config)
-        unknown = {k for k in extra if k.startswith("prefetch_")} - {
-            "prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_timeout_max"}
-        if unknown:
-            raise ValueError(f"unknown prefetch setting(s) {sorted(unknown)}")
-        if "prefetch_threshold" in extra:
-            prefetch["storage_prefetch_threshold"] = int(extra["prefetch_threshold"])
-        for k in ("prefetch_timeout_base", "prefetch_timeout_per_ki_token", "prefetch_timeout_max"):
-            if k in extra:
-                prefetch[k] = float(extra[k])
+        prefetch = tier_settings(extra)
         storage = make_backend(a.hicache_storage_backend, extra)
     return Engine(cfg, weights=weights, storage=storage,
                   storage_prefetch_policy=a.hicache_storage_prefetch_policy, **prefetch,
@@ -85,6 +78,49 @@ def engine_from_args(a: argparse.Namespace):
                   max_running_requests=a.max_running_requests,
                   radix_eviction_policy=a.radix_eviction_policy,
                   disable_radix_cache=a.disable_radix_cache, device=a.device)
+
+
+#: extra-config keys the storage tier reads itself (the rest configure the backend):
+#: name -> (Engine keyword, check)
+def _count(v) -> bool:
+    return type(v) is int and v >= 0
+
+
+def _seconds(v) -> bool:
+    return type(v) in (int, float) and math.isfinite(v) and v >= 0
+
+
+def _name(v) -> bool:
+    return isinstance(v, str) and bool(v)
+
+
+TIER_SETTINGS = {
+    "prefetch_threshold": ("storage_prefetch_threshold", _count, "an int >= 0 (tokens)"),
+    "prefetch_timeout_base": ("prefetch_timeout_base", _seconds, "a finite number >= 0 (seconds)"),
+    "prefetch_timeout_per_ki_token": ("prefetch_timeout_per_ki_token", _seconds,
+                                      "a finite number >= 0 (seconds per 1024 tokens)"),
+    "prefetch_timeout_max": ("prefetch_timeout_max", _seconds, "a finite number >= 0 (seconds)"),
+    "model_fingerprint": ("model_fingerprint", _name, "a non-empty string (the model's name in the store)"),
+    "auth_secret": ("storage_secret", _name, "a non-empty string (the key of the objects' MAC)"),
+}
+
+
+def tier_settings(extra: dict) -> dict:
+    """The storage tier's own settings from the extra config, checked (JSON types
+    included: null, strings and NaN are refused), as Engine keywords."""
+    unknown = sorted(k for k in extra if k.startswith("prefetch_") and k not in TIER_SETTINGS)
+    if unknown:
+        raise ValueError(f"--hicache-storage-backend-extra-config: unknown prefetch setting(s) {unknown}; "
+                         f"known: {', '.join(TIER_SETTINGS)}")
+    out = {}
+    for key, (kw, ok, what) in TIER_SETTINGS.items():
+        if key in extra:
+            v = extra[key]
+            if not ok(v):
+                shown = "<hidden>" if key == "auth_secret" else repr(v)
+                raise ValueError(f"--hicache-storage-backend-extra-config: {key} must be {what}, got {shown}")
+            out[kw] = v
+    return out
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -112,7 +148,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     try:
         wl = workload_from_args(a)
         engine = engine_from_args(a)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError, RuntimeError) as e:  # RuntimeError: StorageUnavailable
         print(f"uniradix run: {e}", file=sys.stderr)
         return 2
     cfg = engine.cfg
@@ -128,27 +164,51 @@ def cmd_run(a: argparse.Namespace) -> int:
         reports = run_multiturn(engine, wl, (lambda r: bar.update(1)) if bar else None)
     finally:
         engine.close()
+        if engine.l3 is not None:
+            engine.l3.backend.close()  # the run made it: it reports what it has not logged yet
         if bar:
             bar.close()
+    failed = sum(r.errors for r in reports)
     if a.json:
         print(json.dumps({"rounds": [r.as_dict() for r in reports], "engine": _plain(engine.stats())}))
-        return 0
+    else:
+        _print_rounds(reports)
+        _print_engine(engine, a)
+    if failed:
+        why = list(dict.fromkeys(m for r in reports for m in r.error_messages))
+        print(f"uniradix run: {failed} of {sum(r.requests for r in reports)} requests failed; "
+              f"{'the reason' if len(why) == 1 else 'reasons'}: " + "; ".join(why[:3])
+              + (f" (and {len(why) - 3} more)" if len(why) > 3 else ""), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _fmt(x, spec: str, width: int) -> str:
+    """A figure, or '-' where there is none (a round that served nothing)."""
+    return f"{'-':>{width}}" if x is None else f"{x:>{width}{spec}}"
+
+
+def _print_rounds(reports) -> None:
     print(f"{'round':>5} {'prompt tok':>10} {'cached tok':>10} {'hit rate':>8} "
           f"{'TTFT ms':>8} {'input tok/s':>11} {'errors':>6}")
     for r in reports:
-        print(f"{r.round:>5} {r.prompt_tokens:>10} {r.cached_tokens:>10} {r.hit_rate:>8.1%} "
-              f"{r.ttft_mean * 1e3:>8.1f} {r.input_throughput:>11,.0f} {r.errors:>6}")
+        ttft = None if r.ttft_mean is None else r.ttft_mean * 1e3
+        print(f"{r.round:>5} {r.prompt_tokens:>10} {r.cached_tokens:>10} {_fmt(r.hit_rate, '.1%', 8)} "
+              f"{_fmt(ttft, '.1f', 8)} {_fmt(r.input_throughput, ',.0f', 11)} {r.errors:>6}")
     tp = sum(r.prompt_tokens for r in reports)
     tc = sum(r.cached_tokens for r in reports)
-    wall = sum(r.wall_s for r in reports)
+    wall = sum(r.wall_s for r in reports if r.served)
     ttfts = [t for r in reports for t in r.ttfts]
+    print(f"{'all':>5} {tp:>10} {tc:>10} {_fmt(tc / tp if tp else None, '.1%', 8)} "
+          f"{_fmt(sum(ttfts) / len(ttfts) * 1e3 if ttfts else None, '.1f', 8)} "
+          f"{_fmt(tp / wall if tp and wall > 0 else None, ',.0f', 11)} {sum(r.errors for r in reports):>6}")
+
+
+def _print_engine(engine, a) -> None:
     s = engine.stats()
-    print(f"{'all':>5} {tp:>10} {tc:>10} {tc / tp:>8.1%} "
-          f"{(sum(ttfts) / len(ttfts) if ttfts else float('nan')) * 1e3:>8.1f} {tp / wall:>11,.0f} "
-          f"{sum(r.errors for r in reports):>6}")
     ev = s["cache"]["components"]["full"]["evicted"]
-    print(f"hit rate = cached prefix tokens / prompt tokens, summed per round; input tok/s counts "
-          f"cached tokens too.\nengine: {s['prefill_tokens']} prefill and {s['decode_tokens']} decode "
+    print(f"hit rate = cached prefix tokens / prompt tokens of the requests served, summed per round; "
+          f"input tok/s counts cached tokens too.\nengine: {s['prefill_tokens']} prefill and {s['decode_tokens']} decode "
           f"tokens computed, {s['preemptions']} preemptions, {ev} FULL pages evicted, {s['errors']} errors")
     if engine.hierarchical:
         h = s["cache"]["host"]
@@ -161,7 +221,6 @@ def cmd_run(a: argparse.Namespace) -> int:
         print(f"L3 ({a.hicache_storage_backend}): {s['storage_tokens']} prompt tokens loaded in "
               f"{s['storage_loads']} loads ({s['storage_failed_loads']} failed), "
               f"{s['storage_saved_objects']} objects written, {s['storage_errors']} errors")
-    return 0
 
 
 def _plain(x):
@@ -172,10 +231,20 @@ def _plain(x):
     return x if isinstance(x, (int, float, str, bool)) or x is None else str(x)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default once: not for flags whose help already says it, nor None/False."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if "default" in h or action.default in (None, False):
+            return h
+        return super()._get_help_string(action)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="uniradix", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", formatter_class=argparse.ArgumentDefaultsHelpFormatter, help="serve a multi-turn workload on the embedded model; print hit rate, "
+    r = sub.add_parser("run", formatter_class=_HelpFormatter, help="serve a multi-turn workload on the embedded model; print hit rate, "
                                    "TTFT and input throughput per round")
     add_engine_args(r)
     add_workload_args(r)

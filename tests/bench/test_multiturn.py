@@ -66,9 +66,25 @@ def test_run_prints_a_table(capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (["--clients", "0"], "clients"),
-    (["--page-size", "0"], "page size"),
-    (["--max-total-tokens", "0"], "max_total_tokens"),
-    (["--chunked-prefill-size", "0"], "chunked_prefill_size"),
+    (["--page-size", "0"], "--page-size"),
+    (["--max-total-tokens", "0"], "--max-total-tokens"),
+    (["--swa-full-tokens-ratio", "inf"], "--swa-full-tokens-ratio"),
+    (["--swa-full-tokens-ratio", "nan"], "--swa-full-tokens-ratio"),
+    (["--device", "bogus"], "--device"),
+    (["--device", "meta"], "--device"),
+    (["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
+      '{"prefetch_timeout_base": null}'], "prefetch_timeout_base"),
+    (["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
+      '{"prefetch_timeout_max": "nan"}'], "prefetch_timeout_max"),
+    (["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
+      '{"prefetch_timeout_per_ki_token": NaN}'], "prefetch_timeout_per_ki_token"),
+    (["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
+      '{"prefetch_threshold": 2.5}'], "prefetch_threshold"),
+    (["--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
+      '{"prefetch_treshold": 8}'], "prefetch_treshold"),
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size"),
+    (["--max-running-requests", "0"], "--max-running-requests"),
+    (["--max-mamba-cache-size", "200000000"], "--max-mamba-cache-size"),
     (["--enable-hierarchical-cache", "--hicache-ratio", "1"], "--hicache-ratio"),
     (["--enable-hierarchical-cache", "--hicache-size", "0.000001"], "--hicache-size"),
     (["--hicache-write-policy", "write_back"], "--enable-hierarchical-cache"),
@@ -77,6 +93,31 @@ def test_run_prints_a_table(capsys):
 def test_bad_flags_are_clear_errors(capsys, flags, message):
     assert main(["run", "--no-progress", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_run_exits_nonzero_and_says_why_when_requests_fail(capsys):
+    """Every request can never fit: the run says why, reports no invented throughput or
+    TTFT for rounds that served nothing, and exits 1."""
+    args = ["run", "--clients", "2", "--rounds", "2", "--tokens-per-round", "64", "--output-tokens", "2",
+            "--shared-prefix-tokens", "0", "--max-total-tokens", "32", "--no-progress"]
+    assert main(args) == 1
+    out, err = capsys.readouterr()
+    assert "4 of 4 requests failed" in err and "can never fit" in err and "max_total_tokens" in err
+    rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0] in ("1", "2", "all")]
+    assert len(rows) == 3
+    for row in rows:  # round, prompt, cached, hit rate, TTFT, input tok/s, errors
+        assert row[3:6] == ["-", "-", "-"], row
+    assert main([*args, "--json"]) == 1
+    rounds = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rounds"]
+    assert all(r["input_throughput"] is None and r["ttft_mean_s"] is None and r["errors"] == 2 for r in rounds)
+    assert "can never fit" in rounds[0]["error_messages"][0]
+
+
+def test_run_help_states_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("default: tiny-hybrid") == 1 and "default: None" not in out
 
 
 def test_run_loads_weights_from_a_safetensors_file(tmp_path, capsys):
@@ -138,3 +179,38 @@ def test_run_with_the_host_tier_serves_turns_from_host(capsys):
     assert out["rounds"][2]["cached_tokens"] > 0.8 * out["rounds"][2]["prompt_tokens"]
     assert main(args) == 0
     assert "L2 (host" in capsys.readouterr().out
+
+
+def test_run_keeps_checkpoints_of_one_preset_apart_in_l3(tmp_path, capsys):
+    """--model-path with other weights of the same preset must not reuse the first
+    file's L3 data; the same file again does (its fingerprint is cached on disk)."""
+    from uniradix.model import init_weights, preset, save_weights
+    cfg = preset("tiny-hybrid")
+    files = {}
+    for seed in (1, 2):
+        files[seed] = tmp_path / f"w{seed}.safetensors"
+        save_weights(init_weights(cfg.with_(seed=seed)), files[seed], cfg=cfg)
+    extra = json.dumps({"path": str(tmp_path / "l3"), "prefetch_threshold": 8})
+    args = ["run", "--clients", "1", "--rounds", "1", "--tokens-per-round", "24", "--output-tokens", "2",
+            "--shared-prefix-tokens", "0", "--no-progress", "--json", "--hicache-storage-backend", "file",
+            "--hicache-storage-backend-extra-config", extra]
+
+    def storage_tokens(seed):
+        assert main([*args, "--model-path", str(files[seed])]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["engine"]["storage_tokens"]
+
+    assert storage_tokens(1) == 0
+    assert storage_tokens(2) == 0   # other weights, same preset: nothing shared
+    assert storage_tokens(1) > 0    # the first file again
+    named = json.dumps({"path": str(tmp_path / "l3"), "prefetch_threshold": 8, "model_fingerprint": "acme/m"})
+    assert main([*args[:-1], named, "--model-path", str(files[2])]) == 0
+    capsys.readouterr()
+    assert main([*args[:-1], json.dumps({"path": str(tmp_path / "l3"), "auth_secret": ""})]) == 2
+    err = capsys.readouterr().err
+    assert "auth_secret" in err
+
+
+def test_tier_settings_and_backend_settings_split_on_one_list():
+    from uniradix.cli import TIER_SETTINGS
+    from uniradix.hicache.backends import TIER_KEYS
+    assert set(TIER_SETTINGS) == set(TIER_KEYS)

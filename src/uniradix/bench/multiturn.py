@@ -51,8 +51,10 @@ class MultiTurnWorkload:
 
 @dataclass
 class RoundReport:
-    """One round, summed over its requests. Throughput is prompt tokens (cached ones
-    included) per second of the round's wall time."""
+    """One round, summed over the requests it served (failed ones are counted in
+    `errors`, with their reasons in `error_messages`, and nothing else). Throughput is
+    served prompt tokens (cached ones included) per second of the round's wall time.
+    With nothing served, hit rate, TTFT and throughput are None: there is no figure."""
 
     round: int
     requests: int
@@ -62,24 +64,30 @@ class RoundReport:
     wall_s: float
     ttfts: list = field(default_factory=list)
     errors: int = 0
+    error_messages: list = field(default_factory=list)
 
     @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+    def served(self) -> int:
+        return self.requests - self.errors
 
     @property
-    def ttft_mean(self) -> float:
-        return statistics.fmean(self.ttfts) if self.ttfts else float("nan")
+    def hit_rate(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
     @property
-    def input_throughput(self) -> float:
-        return self.prompt_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+    def ttft_mean(self) -> float | None:
+        return statistics.fmean(self.ttfts) if self.ttfts else None
+
+    @property
+    def input_throughput(self) -> float | None:
+        return self.prompt_tokens / self.wall_s if self.served and self.wall_s > 0 else None
 
     def as_dict(self) -> dict:
         return dict(round=self.round, requests=self.requests, prompt_tokens=self.prompt_tokens,
                     cached_tokens=self.cached_tokens, computed_tokens=self.computed_tokens,
                     hit_rate=self.hit_rate, ttft_mean_s=self.ttft_mean, wall_s=self.wall_s,
-                    input_throughput=self.input_throughput, errors=self.errors)
+                    input_throughput=self.input_throughput, errors=self.errors,
+                    error_messages=list(self.error_messages))
 
 
 def run_multiturn(engine, workload: MultiTurnWorkload, progress=None) -> list[RoundReport]:
@@ -105,10 +113,11 @@ def run_multiturn(engine, workload: MultiTurnWorkload, progress=None) -> list[Ro
         engine.run(reqs, progress)
         wall = time.perf_counter() - t0
         ok = [r for r in reqs if r.status == "finished"]
+        why = list(dict.fromkeys(r.error or r.status for r in reqs if r.status != "finished"))
         reports.append(RoundReport(
-            rnd + 1, len(reqs), sum(r.metrics.prompt_tokens for r in reqs),
+            rnd + 1, len(reqs), sum(r.metrics.prompt_tokens for r in ok),
             sum(r.metrics.cached_tokens for r in ok), sum(r.metrics.computed_tokens for r in ok),
-            wall, [r.metrics.ttft for r in ok], len(reqs) - len(ok)))
+            wall, [r.metrics.ttft for r in ok], len(reqs) - len(ok), why))
         convs = [r.input_ids + r.output_ids + fresh(workload.tokens_per_round) for r in reqs]
     for i in range(workload.clients):
         engine.close_session(f"client-{i}")

@@ -91,10 +91,10 @@ class Engine:
                  hicache_size: float | None = None, rank: int = 0, model_fingerprint: str | None = None,
                  storage_secret: str | bytes | None = None) -> None:
         self.cfg = preset(config) if isinstance(config, str) else config
-        if chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be at least 1, got {chunked_prefill_size}")
-        if max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be at least 1, got {max_running_requests}")
+        for flag, v in (("--chunked-prefill-size", chunked_prefill_size),
+                        ("--max-running-requests", max_running_requests)):
+            if type(v) is not int or v < 1:
+                raise ValueError(f"{flag} must be an int >= 1, got {v!r}")
         self.device = _check_device(device)
         self.weights_path = None
         if weights is None:
