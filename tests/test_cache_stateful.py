@@ -56,7 +56,7 @@ class CacheMachine(RuleBasedStateMachine):
 
     @initialize(
         page=st.sampled_from([1, 2, 4]),
-        window=st.integers(2, 8),
+        window=st.integers(1, 8),
         keep_all=st.booleans(),
         policy=st.sampled_from(["lru", "lfu", "fifo", "priority"]),
         full_size=st.integers(32, 96),
@@ -124,7 +124,7 @@ class CacheMachine(RuleBasedStateMachine):
             x = x.parent
         b = req.prefix_len // P
         assert list(req.pages["full"][:b]) == [full[i] for i in range(b)]
-        lo = max(0, req.prefix_len - self.W) // P
+        lo = max(0, req.prefix_len - self.W + 1) // P
         assert list(req.pages["swa"][:b]) == [-1] * lo + [swa[i] for i in range(lo, b)]
         if not alloc:
             try:
@@ -179,10 +179,10 @@ class CacheMachine(RuleBasedStateMachine):
         assert len(gone) == freed and all(after[p] == -1 for p in gone), (
             f"release_out_of_window said {freed} freed, the pages show {gone}")
         # only its own pages, never the window it still decodes with, nor the junction's
-        jlo, jhi = max(0, req.matched - self.W) // P, req.matched // P
+        jlo, jhi = max(0, req.matched - self.W + 1) // P, req.matched // P
         for p in gone:
             assert p >= req.prefix_len // P, f"freed the tree's SWA page {p}"
-            assert (p + 1) * P <= req.num_tokens - self.W, f"freed SWA page {p} inside the window"
+            assert (p + 1) * P <= req.num_tokens - self.W + 1, f"freed SWA page {p} inside the window"
             assert not jlo <= p < jhi, f"freed SWA page {p} of the junction window"
 
     def capture_end(self, req):

@@ -562,3 +562,25 @@ def test_with_a_secret_forged_objects_are_misses(tmp_path, monkeypatch):
     d.run([r3])
     check_exact(d, r3)
     assert r3.metrics.storage_tokens > 0
+
+
+def test_window_of_one_token_resumes_from_l3_through_the_host_tier(tmp_path):
+    """A window of one token reads nothing before the boundary: L3 has no SWA page to
+    load for it, and the load through the host tier must not expect one."""
+    from uniradix.model import HybridConfig
+    cfg = HybridConfig(pattern="SF", window=1)
+
+    def mk():
+        return Engine(cfg, page_size=4, max_total_tokens=2048, storage=FileBackend(str(tmp_path)),
+                      storage_prefetch_threshold=1, enable_hierarchical_cache=True)
+
+    a = mk()
+    r1 = greedy(list(range(30)), 5)
+    a.run([r1])
+    check_exact(a, r1)
+    b = mk()
+    r = greedy(r1.input_ids + r1.output_ids + [3, 4, 5], 4)
+    b.run([r])
+    check_exact(b, r)
+    assert r.metrics.cached_tokens == r.metrics.storage_tokens == page_floor(
+        len(r1.input_ids) + len(r1.output_ids) - 1, 4)

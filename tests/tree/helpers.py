@@ -32,6 +32,24 @@ class SecondSWAComponent(SWAComponent):
     name = "swa2"
 
 
+# --------------------------------------------------------------------------- window sweep
+SWEEP_PAGES = (1, 2, 3, 4, 16)
+
+
+def sweep_windows(P: int) -> list[int]:
+    """Windows whose remainder mod P is 0, 1, 2 or P - 1 (where the page rounding of the
+    window's first page differs), within one page and spanning two or three, and W = 1
+    (reads no earlier token)."""
+    out = {1}
+    for r in {0, 1 % P, 2 % P, (P - 1) % P}:
+        w = r or P
+        out |= {w, w + P, w + 2 * P}
+    return sorted(out)
+
+
+WINDOW_CASES = [(P, W) for P in SWEEP_PAGES for W in sweep_windows(P)]
+
+
 # --------------------------------------------------------------------------- tree walking
 def all_nodes(tree):
     """Every attached node (roots excluded), depth first."""
@@ -112,7 +130,7 @@ def brute_matched(tree, tokens, salt=None):
     """Longest page-aligned common prefix of `tokens` with any cached path, and the leaf
     (or node) whose path reaches it. Found by reading every root-to-leaf key sequence."""
     P = tree.page_size
-    root = tree.roots.get(salt)
+    root = tree.find_root(salt)
     best, best_leaf = 0, None
     if root is None:
         return 0, None
@@ -159,8 +177,9 @@ def per_page(tree, tokens, salt=None, either_tier: bool = False):
 
 def page_rule_pages(window, b: int, P: int) -> list[int]:
     """Pages a page component needs present for boundary b: all of [0, b) without a
-    window, else every page touching [max(0, b - W), b)."""
-    lo = 0 if window is None else max(0, b - window)
+    window, else every page touching [max(0, b - W + 1), b): a query at i reads keys
+    i - W < j <= i, so the first query resumed at b reads back to b - W + 1."""
+    lo = 0 if window is None else max(0, b - window + 1)
     return [q for q in range(b // P) if q * P < b and (q + 1) * P > lo]
 
 
@@ -288,7 +307,8 @@ def check_locks(tree, live) -> None:
             if isinstance(c, CheckpointComponent):
                 pinned = [x] if had[c.name] else []
             else:
-                lo = 0 if c.window is None else max(0, (x.end - c.window) // P * P)
+                pages = page_rule_pages(c.window, x.end, P)
+                lo = pages[0] * P if pages else x.end
                 pinned = [nd for nd in x.path() if nd.end > lo]
             for nd in pinned:
                 k = (id(nd), c.index)
@@ -310,7 +330,7 @@ def check_useful_leaves(tree) -> None:
     """DESIGN §3, useless leaves go: every leaf that no lock holds can serve a valid
     boundary at its own end (each component accepts it, by the brute-force rule under
     the leaf's own salt, with data in either memory tier: a host-only slot can be loaded)."""
-    salt_of = {id(r): s for s, r in tree.roots.items()}
+    salt_of = {id(r): tree.salt_of(r) for r in tree.roots.values()}
     for nd in all_nodes(tree):
         if nd.children or nd.locks[0]:
             continue

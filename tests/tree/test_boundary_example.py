@@ -70,7 +70,7 @@ def build_by_eviction(names, window=4):
     assert [(n.start, n.end) for n in nodes] == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20)]
     if "swa" in names:
         # lock every node whose SWA window stays clear of node 3's span [8, 12)
-        receipts = [tree.lock(n) for n in nodes if n.end <= 8 or n.end - window >= 12]
+        receipts = [tree.lock(n) for n in nodes if n.end <= 8 or n.end - window + 1 >= 12]
         assert tree.evictable("swa") == 1
         ev = tree.evict(swa_pages=1)
         assert list(ev.freed["swa"]) == [SWA_H[2]]

@@ -4,7 +4,8 @@ For every page-aligned b in [0, matched] the reference checks each component's r
 directly on per-page presence read from the nodes along the query's path:
 
 - FULL (and any window-less page component): present on every page of [0, b);
-- SWA (window W): present on every page touching [max(0, b - W), b);
+- SWA (window W): present on every page touching [max(0, b - W + 1), b) (a query at
+  i reads keys i - W < j <= i);
 - MAMBA: a checkpoint at exactly b;
 
 and `matched` is the longest page-aligned common prefix with any root-to-leaf key
@@ -28,16 +29,19 @@ import helpers as H  # tests/tree is on sys.path: pytest prepends a test file's 
 
 # --------------------------------------------------------------------------- random trees
 class Sim:
-    """One random tree and the sequences put into it."""
+    """One random tree and the sequences put into it; `P` and `W` fix the page size and
+    the SWA window (the tree then always has SWA)."""
 
-    def __init__(self, rng: random.Random):
+    def __init__(self, rng: random.Random, P: int | None = None, W: int | None = None):
         self.rng = rng
-        P = self.P = rng.choice([1, 2, 4, 8])
+        P = self.P = rng.choice([1, 2, 4, 8]) if P is None else P
         comps = [FullComponent()]
         kinds = rng.choice(["full", "swa", "mamba", "swa+mamba", "swa+mamba", "swa+mamba",
-                            "all", "swa+swa2", "mamba+wpx"])
+                            "all", "swa+swa2", "mamba+wpx"] if W is None else
+                           ["swa", "swa+mamba", "swa+mamba", "all", "swa+swa2"])
         if "swa" in kinds or kinds == "all":
-            W = rng.choice([1, P, 2 * P, 3 * P, rng.randint(1, 4 * P)])
+            if W is None:
+                W = rng.choice([1, P, 2 * P, 3 * P, rng.randint(1, 4 * P)])
             keep = rng.random() < 0.5
             comps.append(SWAComponent(W, keep_all=keep))
         if "swa2" in kinds or kinds == "all":
@@ -137,9 +141,30 @@ class Sim:
         lock = rng.random() < 0.25
         res = tree.insert(seq, values, prefix_len=prefix_len, junction=junction, lock=lock)
         led.returned(res.free)
+        self.check_retention(seq[:n], res.existing, junction, values)
         if res.receipt is not None:
             self.receipts.append((res.receipt, self._had(res.receipt.node)))
         self.seqs.append(seq)
+
+    def check_retention(self, seq, existing: int, junction, values) -> None:
+        """DESIGN §3 Retention, on the pages this insert added past the cached path: a
+        windowed component without keep_all keeps exactly its present pages that touch
+        the window before the end or before the junction (by the reference rule)."""
+        tree, P, n = self.tree, self.P, len(seq)
+        matched, pages, _ = H.per_page(tree, seq)
+        if matched < n:
+            return  # the new leaf served nothing and went
+        ends = {n} | ({page_floor(min(junction, n), P)} if junction else set())
+        for c in tree.components:
+            if getattr(c, "window", None) is None or c.keep_all or c.name not in values:
+                continue
+            want = {q for j in ends for q in H.page_rule_pages(c.window, j, P)}
+            for q in range(existing // P, n // P):
+                h = values[c.name][q]
+                kept = h >= 0 and q in want
+                assert pages[c.name][q] == (h if kept else None), (
+                    f"{c.name} (W={c.window}, P={P}) page {q}: holds {pages[c.name][q]}, brought {h}, "
+                    f"windows before {sorted(ends)} need pages {sorted(want)}")
 
     def evict(self) -> None:
         rng, tree = self.rng, self.tree
@@ -186,11 +211,16 @@ def page_floor(x: int, P: int) -> int:
     return x - x % P
 
 
-def run_case(seed: int, steps: int, queries_per_step: int = 1, ledger: bool = False) -> int:
+def page_ceil(x: int, P: int) -> int:
+    return -(-x // P) * P
+
+
+def run_case(seed: int, steps: int, queries_per_step: int = 1, ledger: bool = False,
+             P: int | None = None, W: int | None = None) -> int:
     """Drive one random tree; after every step check a few random queries against the
     reference. Returns the number of queries checked."""
     rng = random.Random(seed)
-    sim = Sim(rng)
+    sim = Sim(rng, P, W)
     checked = 0
     for _ in range(steps):
         sim.step()
@@ -261,6 +291,88 @@ def test_random_accounting_and_receipts_slow(block):
             raise AssertionError(f"seed {seed}: {e}") from e
 
 
+@pytest.mark.parametrize("P,W", H.WINDOW_CASES)
+def test_window_sweep_matches_reference(P, W):
+    """Page sizes 1, 2, 3, 4 and 16, windows with W % P in {0, 1, 2, P - 1} and W = 1:
+    random inserts (retention checked on each), evictions that tombstone, locks and
+    queries, match against the reference after every step; no useless unlocked leaf,
+    exact handle accounting and lock counts at the end."""
+    for seed in range(40):
+        try:
+            run_case(P * 1000 + W * 50 + seed, steps=20, queries_per_step=1, ledger=True, P=P, W=W)
+        except AssertionError as e:
+            raise AssertionError(f"P={P} W={W} seed {seed}: {e}") from e
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("P,W", H.WINDOW_CASES)
+def test_window_sweep_matches_reference_slow(P, W):
+    for seed in range(400):
+        try:
+            run_case(500_000 + P * 10_000 + W * 400 + seed, steps=40, queries_per_step=2, ledger=True,
+                     P=P, W=W)
+        except AssertionError as e:
+            raise AssertionError(f"P={P} W={W} seed {seed}: {e}") from e
+
+
+@pytest.mark.parametrize("P,W", H.WINDOW_CASES)
+def test_retention_keeps_exactly_the_windows_it_resumes_from(P, W):
+    """An insert keeps exactly the SWA pages touching [max(0, j - W + 1), j) for its end
+    and each junction j (a page more is never needed: W = 1 keeps none), hands the
+    rest back, and a later request resumes at every such j."""
+    for npages in (1, 2, 5, 9):
+        n = npages * P
+        for junction in ((), (P,), (page_floor(n // 2, P), n - P)):
+            junction = tuple(j for j in junction if 0 < j)
+            tree = RadixTree([FullComponent(), SWAComponent(W)], page_size=P)
+            seq = list(range(n))
+            swa = array("i", range(100, 100 + npages))
+            r = tree.insert(seq, {"full": array("i", range(npages)), "swa": swa}, junction=junction)
+            want = {q for j in {n, *junction} for q in H.page_rule_pages(W, j, P)}
+            _, pages, _ = H.per_page(tree, seq)
+            assert {q for q, h in enumerate(pages["swa"]) if h is not None} == want, (n, junction)
+            assert all(pages["swa"][q] == swa[q] for q in want)
+            assert sorted(r.free["swa"]) == [swa[q] for q in range(npages) if q not in want]
+            assert tree.size[1] == len(want)
+            for j in {n, *junction}:
+                assert H.check_match(tree, seq[:j] + [10**6]).boundary == j, (n, junction, j)
+
+
+@pytest.mark.parametrize("P,W", H.WINDOW_CASES)
+def test_tombstone_removes_exactly_the_leaves_whose_window_reaches_it(P, W):
+    """A tombstone on a shared node X = [0, s): a leaf below it whose window before its
+    end starts at or past s still serves and stays; one whose window reaches back into X
+    goes whole (FULL and SWA handed back). Leaves end one page before, at, and one page
+    after the first end whose window clears X."""
+    s = 2 * P
+    stay = page_ceil(s + W - 1, P)  # the first aligned end b with b - W + 1 >= s
+    ends = [e for e in (stay - P, stay, stay + P) if e > s]
+    # fifo: X, inserted first, is the first SWA victim
+    tree = RadixTree([FullComponent(), SWAComponent(W, keep_all=True)], page_size=P, eviction_policy="fifo")
+    x = [7] * s
+    x_full, x_swa = array("i", range(s // P)), array("i", range(100, 100 + s // P))
+    tree.insert(x, {"full": x_full, "swa": x_swa})
+    leaves = []
+    for i, e in enumerate(ends, 1):
+        k = (e - s) // P
+        full, swa = array("i", range(1000 * i, 1000 * i + k)), array("i", range(2000 * i, 2000 * i + k))
+        toks = x + [i] * (e - s)
+        r = tree.insert(toks, {"full": x_full + full, "swa": x_swa + swa}, prefix_len=s)
+        assert r.node.end == e
+        leaves.append((e, toks, r.node, full, swa))
+    ev = tree.evict(swa_pages=1)
+    assert ev.tombstones == 1
+    gone = [lf for lf in leaves if max(0, lf[0] - W + 1) < s]  # the window reaches into X
+    assert sorted(ev.freed["full"]) == sorted(h for *_, full, _ in gone for h in full)
+    assert sorted(ev.freed["swa"]) == sorted([*x_swa, *(h for *_, swa in gone for h in swa)])
+    for e, toks, leaf, _, _ in leaves:
+        serves = max(0, e - W + 1) >= s
+        assert leaf.attached == serves, (e, W, P, leaf)
+        assert H.check_match(tree, toks).boundary == (e if serves else 0), (e, W, P)
+    H.check_structure(tree)
+    H.check_useful_leaves(tree)
+
+
 # --------------------------------------------------------------------------- targeted cases
 def _tree(P, W=None, keep_all=True, mamba=True):
     comps = [FullComponent()]
@@ -289,7 +401,7 @@ def test_every_single_hole_position(P, W):
             b = exp.matched
             if b == 0:
                 continue
-            touches = max(0, b - W) < (hole + 1) * P and hole * P < b
+            touches = max(0, b - W + 1) < (hole + 1) * P and hole * P < b
             assert (exp.boundary == b) == (not touches)
 
 

@@ -301,8 +301,8 @@ def test_evict_ckv_tombstones_internal_slot_and_removes_dependent_leaves():
 
 def test_evict_swa_keeps_leaves_outside_its_window():
     """The same shape evicting SWA instead: Z's SWA tombstone is outside L's window
-    [16, 24), so L stays and still serves its boundary (the rule reaches W, not the
-    whole prefix as for CKV)."""
+    [16, 24), so L stays and still serves its boundary (the rule reaches W - 1 tokens
+    back, not the whole prefix as for CKV)."""
     tree, led, X, Y, L, rc, z, leaf = build_for_eviction()
     rc_x = tree.lock(path(tree, X)[0])  # X's own SWA window; Z and L stay evictable
     si = tree.index["swa"]

@@ -155,7 +155,8 @@ def test_host_eviction_drops_copies_first_then_loses_host_only_slots():
     back_up(t, hs, ra.node)
     rb = insert(t, hs, B, ckpts=(8,))
     back_up(t, hs, rb.node)
-    t.evict(full_pages=8, swa_pages=4, mamba_slots=1)  # A is older: it goes host-only
+    # A is older: it goes host-only (its SWA: the window [5, 8) before 8)
+    t.evict(full_pages=8, swa_pages=3, mamba_slots=1)
     assert t.match(A + [1]).loads and not t.match(B + [1]).loads
     # B's copy is dropped (B stays on the device); A is host-only: losing it removes A
     ev = t.evict_host(full_pages=16)
@@ -292,7 +293,7 @@ def test_write_back_offers_an_internal_full_slot_a_plain_eviction_skipped():
     write-back backs it up. A plain eviction (or a declining write-back) that passes over
     it must not take it off the eviction list: the next write-back eviction has to offer
     it, or its device pages stay stuck although nothing pins them."""
-    t, hs = hybrid(), Handles()
+    t, hs = hybrid(window=5), Handles()  # the window before 8 starts at 4: the branch point
     A = seq(8)
     B = A[:4] + seq(4, base=500)
     for toks in (A, B):
@@ -311,7 +312,7 @@ def test_write_back_offers_an_internal_full_slot_whose_last_device_child_went_wh
     """Like the test above, but the parent's last child with FULL on the device leaves by
     going whole (it had no host copy) while a host-only sibling stays: the parent may now
     leave the device through a write-back, so the next write-back eviction must offer it."""
-    t, hs = hybrid(), Handles()
+    t, hs = hybrid(window=5), Handles()  # the window before 8 starts at 4: the branch point
     A = seq(8)
     B = A[:4] + seq(4, base=500)
     ra = insert(t, hs, A, ckpts=(8,))

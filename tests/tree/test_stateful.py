@@ -194,7 +194,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------------ set-up
     @initialize(
         page=st.sampled_from([1, 2, 4]),
-        window=st.integers(2, 8),
+        window=st.integers(1, 8),
         keep_all=st.booleans(),
         policy=st.sampled_from(["lru", "lfu", "fifo", "priority"]),
         full_size=st.integers(40, 96),
@@ -231,8 +231,9 @@ class RadixTreeMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ helpers
     def window_start(self, b: int) -> int:
-        """First token of the first page touching [max(0, b - W), b) (DESIGN §3 SWA)."""
-        return max(0, b - self.W) // self.P * self.P
+        """First token of the first page touching [max(0, b - W + 1), b) (DESIGN §3 SWA: a
+        query at i reads keys i - W < j <= i); b itself when W = 1 reads nothing before b."""
+        return max(0, b - self.W + 1) // self.P * self.P
 
     def tokens(self, spec, salt):
         """(tokens, salt) of a request from (earlier sequence to reuse or < 0, tokens dropped
@@ -270,7 +271,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
     def salt_of(self, x):
         while x.parent is not None:
             x = x.parent
-        return next(s for s, r in self.tree.roots.items() if r is x)
+        return self.tree.salt_of(x)
 
     def remember(self, salt, tokens):
         if tokens and (salt, tokens) not in self.history:
@@ -340,8 +341,8 @@ class RadixTreeMachine(RuleBasedStateMachine):
         Returns (matched, boundary, deepest, device handles at the boundary, what the
         boundary needs that only the host holds: FULL pages, SWA pages, whether the
         checkpoint)."""
-        P, W = self.P, self.W
-        path, matched = self.brute_path(self.tree.roots.get(salt), tokens)
+        P = self.P
+        path, matched = self.brute_path(self.tree.find_root(salt), tokens)
         dev, hst, ck = ([], []), ([], []), {}
         for x in path:
             npg = (x.end - x.start) // P
@@ -360,7 +361,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
             return all(pres[FULL][:b // P])
 
         def swa_ok(b):
-            return all(pres[SWA][max(0, b - W) // P: b // P])
+            return all(pres[SWA][self.window_start(b) // P: b // P])
 
         def mamba_ok(b):
             return b == 0 or b in ck
@@ -369,7 +370,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
         best = max(b for b in bs if full_ok(b) and swa_ok(b) and mamba_ok(b))
         deepest = {"full": max(b for b in bs if full_ok(b)), "swa": max(b for b in bs if swa_ok(b)),
                    "mamba": max(b for b in bs if mamba_ok(b))}
-        wpages = range(max(0, best - W) // P, best // P)
+        wpages = range(self.window_start(best) // P, best // P)
         handles = {"full": dev[FULL][:best // P], "swa": [dev[SWA][p] for p in wpages],
                    "mamba": [ck[best]] if best else []}
         missing = ([p for p in range(best // P) if dev[FULL][p] is None],
@@ -392,7 +393,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
             f"accepts is {best} (matched {matched}, per component {deepest})")
         assert m.deepest == deepest, (host, m.deepest, deepest)
         assert (m.receipt is not None) == lock
-        root = self.tree.roots[salt]
+        root = self.tree.root(salt)
         assert m.node.end == best
         path = m.node.path()
         x = m.node
@@ -766,7 +767,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
             got = self.alloc({MAMBA: 1})  # the engine captures the state at the aligned end
             if got is not None:
                 ck[n] = got[MAMBA][0]
-        path, pre = self.brute_path(self.tree.roots.get(r.salt), r.tokens)
+        path, pre = self.brute_path(self.tree.find_root(r.salt), r.tokens)
         ws = self.window_start(n)
         tree_swa = present_pages(path[-1], SWA, ws, P) if path else set()
         # the request brings everything a later request needs to resume at its end: the

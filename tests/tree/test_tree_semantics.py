@@ -67,7 +67,7 @@ def test_insert_returns_duplicates_past_prefix_len():
 
 
 def test_split_slices_values_keeps_checkpoint_lower_copies_locks():
-    t = hybrid(window=8, keep_all=True)
+    t = hybrid(window=9, keep_all=True)  # the window before 8 is the whole path
     t.insert(seq(8), {"full": A(*range(8)), "swa": A(*range(10, 18)), "mamba": {8: 5}})
     rc = t.lock(t.match(seq(8)).node)
     assert t.locked[0] == 8
@@ -114,16 +114,16 @@ def test_swa_keep_all_setting_keeps_every_page():
 def test_insert_heals_tombstone():
     t = RadixTree([FullComponent(), SWAComponent(4)], page_size=1)
     t.insert(seq(12), {"full": A(*range(12)), "swa": A(*range(100, 112))})
-    assert t.size[1] == 4  # only the end window
+    assert t.size[1] == 3  # only the end window [9, 12)
     m = t.match(seq(8))
     assert m.boundary == 0 and m.matched == 8 and m.deepest["swa"] == 0
-    # a request recomputed 0..8 with SWA for the window ending at 8
-    r = t.insert(seq(8), {"full": A(*range(8)), "swa": A(-1, -1, -1, -1, 204, 205, 206, 207)},
+    # a request recomputed 0..8 with SWA for the window [5, 8) before 8
+    r = t.insert(seq(8), {"full": A(*range(8)), "swa": A(-1, -1, -1, -1, -1, 205, 206, 207)},
                  prefix_len=0, junction=8)
     assert sorted(r.free["full"]) == list(range(8))  # FULL duplicates of the cached pages
     assert len(r.free["swa"]) == 0  # healed, nothing returned
     m = t.match(seq(8))
-    assert m.boundary == 8 and list(m.handles["swa"]) == [204, 205, 206, 207]
+    assert m.boundary == 8 and list(m.handles["swa"]) == [205, 206, 207]
 
 
 def test_checkpoint_duplicates_returned():
@@ -155,9 +155,9 @@ def test_swa_lock_pins_only_the_window():
     t = RadixTree([FullComponent(), SWAComponent(4, keep_all=True)])
     t.insert(seq(12), {"full": A(*range(12)), "swa": A(*range(100, 112))})
     rc = t.lock(t.match(seq(12)).node)
-    assert sorted(h for nd in rc.nodes(1) for h in nd.value[1]) == [108, 109, 110, 111]
+    assert sorted(h for nd in rc.nodes(1) for h in nd.value[1]) == [109, 110, 111]  # [9, 12)
     ev = t.evict(swa_pages=100)
-    assert sorted(ev.freed["swa"]) == list(range(100, 108))  # tombstones outside the window
+    assert sorted(ev.freed["swa"]) == list(range(100, 109))  # tombstones outside the window
     assert t.match(seq(12)).boundary == 12
     t.unlock(rc)
     assert t.locked == [0, 0]
@@ -272,12 +272,12 @@ def test_swa_tombstone_removes_leaves_whose_window_it_breaks():
     shared = t.match(seq(4)).node
     ev = t.evict(swa_pages=1)
     assert shared.value[1] is None and ev.tombstones == 1
-    # the short leaf's window [2, 6) reached into the tombstone: it went whole;
-    # the long leaf's window [8, 12) did not
+    # the short leaf's window [3, 6) reached into the tombstone: it went whole;
+    # the long leaf's window [9, 12) did not
     assert sorted(ev.freed["full"]) == [4, 5]
     assert sorted(ev.freed["swa"]) == [10, 11, 12, 13, 14, 15]
     m = t.match(seq(4) + [9] * 8)
-    assert m.boundary == 12 and list(m.handles["swa"]) == [34, 35, 36, 37]
+    assert m.boundary == 12 and list(m.handles["swa"]) == [35, 36, 37]
     assert t.match(seq(6)).boundary == 0
     assert decode(shared.key) == seq(4)
 

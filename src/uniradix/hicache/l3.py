@@ -332,6 +332,8 @@ class L3Store:
             hs = list(pages[c.name][lo:b // self.P])
             if len(hs) != b // self.P - lo or min(hs, default=0) < 0:
                 raise ValueError(f"{c.name}: need handles for pages [{lo}, {b // self.P})")
+            if not hs:
+                continue  # nothing of it to read at b (a window of one token reads none)
             page_ks = keys[lo:]
             plan.append((pool, hs, [self._key(k, c) for k in page_ks], False))
             for sc, sks in self._sidecar_keys(pool, c, page_ks):

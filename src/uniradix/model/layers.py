@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..tree.component import first_visible
+
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
@@ -23,14 +25,15 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
            k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """q [T, H, d] at q_pos; k, v [S, KV, d] at k_pos. Causal; with a window, a query at
-    i sees keys j with i - window < j <= i. Grouped-query: H is a multiple of KV."""
+    i sees keys from first_visible(i, window) to i (the tree's reuse rule reads the same
+    definition). Grouped-query: H is a multiple of KV."""
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, dim=1)
     v = v.repeat_interleave(rep, dim=1)
     scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5
     allowed = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
-        allowed &= k_pos[None, :] > q_pos[:, None] - window
+        allowed &= k_pos[None, :] >= first_visible(q_pos[:, None], window)
     scores = scores.masked_fill(~allowed[None], float("-inf"))
     return torch.einsum("hts,shd->thd", scores.softmax(-1), v)
 

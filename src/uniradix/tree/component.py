@@ -5,7 +5,7 @@ kind of layer is one new subclass. Two families cover the known layers:
 
 - `PageComponent`: one handle per page along the span (FULL, SWA, compressed KV).
   With `window=None` it must be present on every page of the prefix; with a window W
-  only on the pages touching [b - W, b).
+  only on the pages touching [first_visible(b, W), b): the W - 1 tokens before b.
 - `CheckpointComponent`: one handle at the node's end (a recurrent-state checkpoint),
   valid only at exactly that boundary.
 
@@ -16,6 +16,14 @@ from __future__ import annotations
 from array import array
 
 Interval = tuple[int, int]
+
+
+def first_visible(pos, window):
+    """The first key a query at `pos` reads under a sliding window of `window` keys
+    (itself included: keys j with pos - window < j <= pos, as the Hugging Face families
+    do). The one definition of the window: the tree's reuse rule and the model's mask
+    both call it; `pos` may be an int or a tensor."""
+    return pos - window + 1
 
 
 def page_floor(x: int, page: int) -> int:
@@ -33,7 +41,8 @@ class Component:
     structural = False
     #: slice the value when a node splits (per-page data); otherwise it stays with the lower part
     slices = True
-    #: how far below a tombstone a leaf's own boundary depends on it (None: everything below)
+    #: how many tokens before a boundary reuse there reads, so how far below a tombstone a
+    #: leaf's own boundary depends on it (None: everything below)
     reach: int | None = 0
     #: False when plan() always says "no splits, keep everything": the tree skips the call
     plans = True
@@ -101,11 +110,16 @@ class PageComponent(Component):
             raise ValueError(f"{self.name}: window must be positive, got {window}")
         self.window = window
         self.keep_all = keep_all
-        self.reach = window
+        # the tokens before a boundary that the first query resumed there reads: W - 1
+        self.reach = None if window is None else 0 - first_visible(0, window)
         self.plans = not self.structural  # FULL has no holes and no retention
 
     def window_start(self, b: int) -> int:
-        return 0 if self.window is None else max(0, page_floor(b - self.window, self.page))
+        """The first token of the first page reuse at boundary b needs."""
+        if self.window is None:
+            return 0
+        lo = first_visible(b, self.window)
+        return lo - lo % self.page if lo > 0 else 0
 
     def accepted(self, path, matched, host=True):
         ci = self.index
@@ -117,16 +131,20 @@ class PageComponent(Component):
                 b = nd.end if nd.end < matched else matched
             return [(0, b)]
         out: list[Interval] = [(0, 0)]
-        run = -1
-        W, P = self.window, self.page
+        run = -1  # where the present pages before the current node start (-1: none)
+        reach, P = self.reach, self.page
         for nd in path:
+            e = nd.end if nd.end < matched else matched
             if nd.value[ci] is None and (not host or nd.host[ci] is None):
                 run = -1
-                continue
-            if run < 0:
-                run = nd.start
-            e = nd.end if nd.end < matched else matched
-            lo = nd.start if run == 0 else max(nd.start, page_ceil(run + W, P))
+                if reach:  # every boundary inside reads the node's own last page
+                    continue
+                lo = nd.start
+            else:
+                if run < 0:
+                    run = nd.start
+                # b is accepted once first_visible(b) >= run, i.e. b >= run + reach
+                lo = nd.start if run == 0 else max(nd.start, page_ceil(run + reach, P))
             if lo > e:
                 continue
             if lo <= out[-1][1]:
@@ -137,8 +155,8 @@ class PageComponent(Component):
 
     def accepts_end(self, nd):
         ci = self.index
-        W = self.window
-        lo = 0 if W is None else nd.end - W  # pages touching [end - W, end) end after lo
+        # the pages touching [lo, end) are those that end after lo
+        lo = 0 if self.window is None else first_visible(nd.end, self.window)
         while nd.parent is not None and nd.end > lo:
             if nd.value[ci] is None and nd.host[ci] is None:
                 return False
@@ -168,15 +186,12 @@ class PageComponent(Component):
         W = self.window
         if W is None or self.keep_all:
             return edges, None, prefix_len
-        P = self.page
-        e = n - W
-        e = e - e % P if e > 0 else 0
+        e = self.window_start(n)
         cuts, keep = [e], [(e, n)]
         for jn in junction:  # page-aligned positions later requests may resume at
             if jn <= 0:
                 continue
-            j = jn - W
-            j = j - j % P if j > 0 else 0
+            j = self.window_start(jn)
             cuts += (j, jn)
             keep.append((j, jn))
         return edges + tuple(cuts), keep, prefix_len

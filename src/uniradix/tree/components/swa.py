@@ -1,4 +1,5 @@
-"""Sliding-window attention: KV only for the pages touching the last W tokens."""
+"""Sliding-window attention: a query reads its last W keys, itself included, so reuse at a
+boundary needs KV only for the pages touching the W - 1 tokens before it."""
 from ..component import PageComponent
 
 
