@@ -162,3 +162,37 @@ def test_a_poisoned_request_fails_alone_in_every_position(make_engine, kind, pos
     later = greedy(history + toks(rng, 6), 3)
     eng.run([later])
     check_exact(eng, later)
+
+
+@pytest.mark.parametrize("position", range(3))
+def test_a_forward_that_fails_part_way_advances_no_state(make_engine, monkeypatch, position):
+    """The batched forward fails in its third recurrent layer, because of one request,
+    after the first two layers have run for everyone. The forward commits recurrent
+    states only after its last layer, so rerunning the others alone advances their
+    states once, and they stay exact; the culprit fails alone."""
+    import uniradix.model.paged as paged
+    real = paged._recurrent
+    BAD_LEN = 13  # the poisoned request's prompt: no other request brings this many tokens
+
+    def flaky(cfg, lw, mp, layer, h, inp, *rest):
+        if len(inp.tokens) == BAD_LEN and layer == 2:
+            raise RuntimeError("a kernel failed on this request")
+        return real(cfg, lw, mp, layer, h, inp, *rest)
+
+    eng = make_engine("jamba-like", page_size=4, max_running_requests=8)
+    rng = random.Random(7 + position)
+    first = greedy(toks(rng, 24), 3)
+    eng.run([first])
+    history = first.input_ids + first.output_ids
+    good = [greedy(history + toks(rng, 9), 4), greedy(toks(rng, 17), 4)]
+    bad = greedy(toks(rng, BAD_LEN), 4)
+    monkeypatch.setattr(paged, "_recurrent", flaky)
+    for r in good[:position] + [bad] + good[position:]:
+        eng.submit(r)
+    while eng.waiting or eng.running:
+        eng.step()
+        check_ownership(eng)
+    assert bad.status == "error" and "kernel failed" in bad.error
+    for r in good:
+        check_exact(eng, r)
+    check_settled(eng)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..tree.component import first_visible
 from .config import HybridConfig
 from .layers import attend, mlp, recurrent_mix, rms_norm, rope
 
@@ -20,8 +21,9 @@ class PagedInput:
     """One request's step. `start` tokens are already in its pages and state; `tokens`
     are new, at positions start, start+1, ... `full_pages` / `swa_pages` hold one page
     handle per page of [0, start + len(tokens)) (-1 where a SWA page is absent: only
-    the window before `start` must be there). `state_slot` holds the recurrent state at
-    `start` and is advanced in place. `capture` maps positions in (start, end] to slots
+    the pages from the first key `start` reads on must be there, which is what the tree
+    hands out on resuming). `state_slot` holds the recurrent state at `start` and is
+    advanced in place. `capture` maps positions in (start, end] to slots
     that receive a copy of the recurrent state there (checkpoints)."""
 
     tokens: list[int]
@@ -82,8 +84,11 @@ def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[Pa
         spans["F"] = [_Span(i.full_pages, P, 0, i.start, i.end, device) for i in inputs]
     if "S" in cfg.pattern:
         P = pools["swa"].page_size
-        spans["S"] = [_Span(i.swa_pages, P, max(0, i.start - W + 1), i.start, i.end, device) for i in inputs]
+        # from the first key the first new token reads (the same rule the tree resumes by)
+        spans["S"] = [_Span(i.swa_pages, P, max(0, first_visible(i.start, W)), i.start, i.end, device)
+                      for i in inputs]
     x = weights["embed"][ids]
+    commits: list = []  # recurrent states, written to their slots once every layer has run
     for layer, (kind, lw) in enumerate(zip(cfg.pattern, weights["layers"])):
         if wait_layer is not None:
             wait_layer(layer)
@@ -107,16 +112,23 @@ def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[Pa
             x = x + out.reshape(N, H * hd) @ lw["wo"]
         else:
             mp = pools["mamba"]
-            outs = [_recurrent(cfg, lw, mp, layer, h[bounds[r]:bounds[r + 1]], inp)
+            outs = [_recurrent(cfg, lw, mp, layer, h[bounds[r]:bounds[r + 1]], inp, commits)
                     for r, inp in enumerate(inputs)]
             x = x + torch.cat(outs)
         x = x + mlp(rms_norm(x, lw["norm2"], cfg.norm_eps), lw)
     logits = rms_norm(x, weights["norm_f"], cfg.norm_eps) @ weights["head"]
+    # only now does any request's recurrent state advance: a forward that fails part way
+    # leaves every state as it was, so the step can be rerun (its KV writes are idempotent)
+    for mp, layer, slot, conv, ssm in commits:
+        mp.conv(layer)[slot] = conv
+        mp.state(layer)[slot] = ssm
     return list(logits.split(lens))
 
 
-def _recurrent(cfg, lw, mp, layer: int, h: torch.Tensor, inp: PagedInput) -> torch.Tensor:
-    """Advance one request's state over its new tokens, copying it out at captures."""
+def _recurrent(cfg, lw, mp, layer: int, h: torch.Tensor, inp: PagedInput, commits: list) -> torch.Tensor:
+    """Advance one request's state over its new tokens; the states to write (its own
+    slot's, and copies at captures) go to `commits`. Each (layer, slot) is read once and
+    written once per forward, so deferring the writes changes nothing a layer reads."""
     s, T = inp.start, h.shape[0]
     conv, ssm = mp.conv(layer)[inp.state_slot], mp.state(layer)[inp.state_slot]
     cuts = sorted(p - s for p in inp.capture if s < p <= s + T)
@@ -127,9 +139,7 @@ def _recurrent(cfg, lw, mp, layer: int, h: torch.Tensor, inp: PagedInput) -> tor
             outs.append(o)
         slot = inp.capture.get(s + b)
         if slot is not None:
-            mp.conv(layer)[slot] = conv
-            mp.state(layer)[slot] = ssm
+            commits.append((mp, layer, slot, conv, ssm))
         a = b
-    mp.conv(layer)[inp.state_slot] = conv
-    mp.state(layer)[inp.state_slot] = ssm
+    commits.append((mp, layer, inp.state_slot, conv, ssm))
     return torch.cat(outs)
