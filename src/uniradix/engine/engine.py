@@ -692,8 +692,8 @@ def _check_device(device) -> torch.device:
     no kernels here) is a ValueError naming --device."""
     try:
         d = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"--device {device!r} is not a device torch knows: use cpu or cuda[:N] ({e})") from None
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r} is not a device torch knows: use cpu or cuda[:N]") from None
     if d.type == "cpu":
         return d
     if d.type != "cuda":
