@@ -44,8 +44,8 @@ def run(config: str, wl: MultiTurnWorkload, a, store_dir: str) -> tuple[list, di
     storage = FileBackend(store_dir) if "L3" in config else None
     eng = Engine(a.model_preset, page_size=a.page_size, max_total_tokens=a.max_total_tokens,
                  max_running_requests=a.max_running_requests, storage=storage,
-                 storage_prefetch_threshold=a.prefetch_threshold,
-                 storage_prefetch_policy="wait_complete",
+                 prefetch_threshold=a.prefetch_threshold,
+                 hicache_storage_prefetch_policy="wait_complete",
                  enable_hierarchical_cache="L2" in config, hicache_ratio=a.hicache_ratio)
     try:
         rounds = run_multiturn(eng, wl)

@@ -84,9 +84,9 @@ def run(trace: list[list[int]], mode: str, capacity: int, page_size: int = 1, po
         req = cache.match_prefix(seq, alloc=True)
         tokens += len(seq)
         hit += req.prefix_len
-        if mamba and req.matched > req.prefix_len:
-            cache.add_checkpoint(req, req.matched - req.matched % page_size)
-        req.state_len = req.num_tokens  # the engine's prefill ran to the end
+        if mamba and req.junction > req.prefix_len:
+            cache.add_checkpoint(req, req.junction - req.junction % page_size)
+        req.computed = req.allocated  # the engine's prefill ran to the end
         cache.cache_finished(req)
     seconds = time.perf_counter() - t0
     st = cache.stats()

@@ -58,7 +58,7 @@ def check_accounting(cache, live=()):
 def serve(cache, tokens, session=None, **kw):
     req = cache.match_prefix(tokens, **kw)
     cache.alloc_request(req)
-    req.state_len = req.num_tokens
+    req.computed = req.allocated
     cache.cache_finished(req, session_id=session)
     return req
 
@@ -67,7 +67,7 @@ def test_reuse_and_hit_counts():
     cache = make()
     r1 = serve(cache, seq(10))
     r2 = serve(cache, seq(10) + [5, 6])
-    assert r1.cached_tokens == 0 and r2.cached_tokens == 10
+    assert r1.reused == 0 and r2.reused == 10
     st = cache.stats()
     assert st["hit_tokens"] == 10 and st["prompt_tokens"] == 22
     assert st["components"]["full"]["size"] == 12
@@ -113,7 +113,7 @@ def test_unaligned_tail_is_freed_and_not_cached():
     cache = make(full=32, page=4)
     req = serve(cache, seq(10))
     assert cache.tree.size[0] == 2 and cache.pools[0].available == 30
-    assert req.done
+    assert not req.held
     check_accounting(cache)
 
 
@@ -121,14 +121,14 @@ def test_checkpoint_is_copied_on_write():
     cache = make(full=32, mamba=4, accounting=False)
     pool = cache.pools[cache.tree.index["mamba"]]
     req = cache.match_prefix(seq(8))
-    assert req.cached_tokens == 0 and req.state_slot is not None
+    assert req.reused == 0 and req.state_slot is not None
     cache.alloc_request(req)
     pool.state(2)[req.state_slot].fill_(3.0)
-    req.state_len = 8
+    req.computed = 8
     cache.cache_finished(req)
     ck = cache.tree.match(seq(8)).handles["mamba"][0]
     req2 = cache.match_prefix(seq(8) + [1, 2])
-    assert req2.cached_tokens == 8 and req2.state_slot != ck
+    assert req2.reused == 8 and req2.state_slot != ck
     assert torch.equal(pool.state(2)[req2.state_slot], torch.full((2, 2), 3.0))
     pool.state(2)[req2.state_slot].fill_(-1.0)  # the request mutates its copy
     assert torch.equal(pool.state(2)[ck], torch.full((2, 2), 3.0))  # the checkpoint does not move
@@ -140,7 +140,7 @@ def test_state_not_at_a_page_boundary_is_not_cached():
     cache = make(full=32, mamba=4, page=4)
     req = cache.match_prefix(seq(10))
     cache.alloc_request(req)
-    req.state_len = 10  # the state has absorbed 10 tokens: no page boundary
+    req.computed = 10  # the state has absorbed 10 tokens: no page boundary
     cache.cache_finished(req)
     # without a checkpoint at 8 the leaf is useless and goes at once
     assert cache.tree.size == [0, 0] and cache.pools[0].available == 32
@@ -151,12 +151,12 @@ def test_junction_checkpoint_lets_the_next_branch_resume():
     cache = make(full=64, mamba=8)
     serve(cache, seq(8) + [1] * 4)
     req = cache.match_prefix(seq(8) + [2] * 4)
-    assert (req.cached_tokens, req.matched) == (0, 8)
+    assert (req.reused, req.junction) == (0, 8)
     cache.add_checkpoint(req, 8)
     cache.alloc_request(req)
-    req.state_len = req.num_tokens
+    req.computed = req.allocated
     cache.cache_finished(req)
-    assert cache.match_prefix(seq(8) + [3] * 4).cached_tokens == 8
+    assert cache.match_prefix(seq(8) + [3] * 4).reused == 8
 
 
 def test_cache_unfinished_moves_the_lock_and_keeps_the_request_going():
@@ -181,7 +181,7 @@ def test_out_of_window_swa_pages_are_freed_except_the_junction_window():
     cache = make(full=64, swa=64, window=4)
     serve(cache, seq(8) + [1] * 8)
     req = cache.match_prefix(seq(8) + [2] * 2)
-    assert (req.cached_tokens, req.matched) == (0, 8)
+    assert (req.reused, req.junction) == (0, 8)
     cache.alloc_request(req)
     cache.append_tokens(req, [3] * 10)  # 20 tokens
     swa = req.pages["swa"]
@@ -209,7 +209,7 @@ def test_resume_points_keep_their_window_while_decoding_and_in_the_tree():
     check_accounting(cache, [req])
     cache.cache_finished(req)
     check_accounting(cache)
-    assert cache.match_prefix(seq(9)).cached_tokens == 9
+    assert cache.match_prefix(seq(9)).reused == 9
 
 
 def test_sessions_keep_referenced_data_longest():
@@ -218,7 +218,7 @@ def test_sessions_keep_referenced_data_longest():
     serve(cache, seq(8, base=100))
     serve(cache, seq(8, base=200))
     serve(cache, seq(8, base=300))  # evicts the oldest unreferenced one
-    assert cache.match_prefix(seq(8, base=0)).cached_tokens == 8
+    assert cache.match_prefix(seq(8, base=0)).reused == 8
     assert cache.close_session("s1")
 
 
@@ -236,7 +236,7 @@ def test_flush_refused_while_locked_then_empties_everything():
 def test_salted_requests_do_not_share():
     cache = make()
     serve(cache, seq(8), salt="a")
-    assert cache.match_prefix(seq(8), salt="b").cached_tokens == 0
+    assert cache.match_prefix(seq(8), salt="b").reused == 0
 
 
 def test_missing_pool_is_a_clear_error():
@@ -249,8 +249,8 @@ def test_append_tokens_that_do_not_fit_leave_the_request_unchanged():
     req = cache.match_prefix(seq(6), alloc=True)
     with pytest.raises(CacheFull):
         cache.append_tokens(req, [1, 2, 3])  # 9 pages, 8 exist
-    assert req.num_tokens == 6 and len(req.pages["full"]) == 6
+    assert req.allocated == 6 and len(req.pages["full"]) == 6
     cache.append_tokens(req, [1, 2])
-    assert req.num_tokens == 8 and len(req.pages["full"]) == 8
+    assert req.allocated == 8 and len(req.pages["full"]) == 8
     cache.cache_finished(req)
     check_accounting(cache)

@@ -147,7 +147,7 @@ def serve(cache, tokens, gen=None, session=None):
             fill(mp, [req.state_slot], gen)
         state = rows(mp, [req.state_slot])
         # what a forward would leave, captured at the last page boundary (what is cached)
-        req.state_len = req.num_tokens - req.num_tokens % P
+        req.computed = req.allocated - req.allocated % P
     cache.cache_finished(req, session_id=session)
     return req, data, state
 
@@ -278,7 +278,7 @@ def test_every_component_and_sidecar_round_trips_byte_exact(kinds, page, dtype):
             same(rows(p, [h]), data[(name, i)])
     if "M" in kinds:
         mp = pool(cache, "mamba")
-        assert r2.state_len == n
+        assert r2.computed == n
         same(rows(mp, [r2.state_slot]), state)  # the private copy, straight from the host
         ck = cache.tree.handles_at(r2.node)["mamba"]
         assert len(ck) == 1 and ck[0] != r2.state_slot
@@ -349,10 +349,10 @@ def test_write_back_round_trips_byte_exact():
 
 @pytest.mark.parametrize("page", [1, 4])
 def test_build_cache_round_trip_for_a_real_config(page):
-    """build_cache(hierarchical=True) for a preset with all three kinds of layer: the
+    """build_cache(enable_hierarchical_cache=True) for a preset with all three kinds of layer: the
     mirrors match the device pools and a host round trip is exact."""
     cfg = preset("tiny-hybrid")
-    cache, pools = build_cache(cfg, page_size=page, max_total_tokens=64 * page, hierarchical=True,
+    cache, pools = build_cache(cfg, page_size=page, max_total_tokens=64 * page, enable_hierarchical_cache=True,
                                hicache_ratio=3.0, max_mamba_cache_size=8)
     assert set(pools) == {"full", "swa", "mamba"}
     for name, p in pools.items():
@@ -637,18 +637,18 @@ def test_flush_refused_while_a_load_holds_locks_then_frees_both_tiers():
 @pytest.mark.parametrize("ratio", [1.0, 0.5, 0, -2])
 def test_hicache_ratio_must_exceed_one(ratio):
     with pytest.raises(ValueError, match="--hicache-ratio"):
-        build_cache(preset("tiny-hybrid"), max_total_tokens=64, hierarchical=True, hicache_ratio=ratio)
+        build_cache(preset("tiny-hybrid"), max_total_tokens=64, enable_hierarchical_cache=True, hicache_ratio=ratio)
 
 
 def test_a_too_small_hicache_size_names_the_flag():
     with pytest.raises(ValueError, match="--hicache-size"):
-        build_cache(preset("tiny-hybrid"), max_total_tokens=64, hierarchical=True, hicache_size=1e-6)
+        build_cache(preset("tiny-hybrid"), max_total_tokens=64, enable_hierarchical_cache=True, hicache_size=1e-6)
     with pytest.raises(ValueError, match="--hicache-size"):
-        build_cache(preset("tiny-hybrid"), max_total_tokens=64, hierarchical=True, hicache_size=-1.0)
+        build_cache(preset("tiny-hybrid"), max_total_tokens=64, enable_hierarchical_cache=True, hicache_size=-1.0)
 
 
 def test_hicache_size_overrides_the_ratio():
-    cache, pools = build_cache(preset("tiny-hybrid"), max_total_tokens=64, hierarchical=True,
+    cache, pools = build_cache(preset("tiny-hybrid"), max_total_tokens=64, enable_hierarchical_cache=True,
                                hicache_ratio=1.0, hicache_size=0.01, max_mamba_cache_size=8)
     device_bytes = sum(p.nbytes for p in pools.values())
     host_bytes = sum(hp.nbytes for hp in cache.host_pools)
@@ -658,11 +658,11 @@ def test_hicache_size_overrides_the_ratio():
 
 
 def test_unknown_write_policy_and_bad_threshold():
-    with pytest.raises(ValueError, match="unknown write policy 'write_around'"):
-        build_cache(preset("full-only"), max_total_tokens=64, hierarchical=True, write_policy="write_around")
-    with pytest.raises(ValueError, match="write_through_threshold"):
-        build_cache(preset("full-only"), max_total_tokens=64, hierarchical=True,
-                    write_policy="write_through_selective", write_through_threshold=0)
+    with pytest.raises(ValueError, match="--hicache-write-policy must be one of .*, got 'write_around'"):
+        build_cache(preset("full-only"), max_total_tokens=64, enable_hierarchical_cache=True, hicache_write_policy="write_around")
+    with pytest.raises(ValueError, match="--write-through-threshold"):
+        build_cache(preset("full-only"), max_total_tokens=64, enable_hierarchical_cache=True,
+                    hicache_write_policy="write_through_selective", write_through_threshold=0)
 
 
 def test_a_host_pool_per_component_is_required():

@@ -4,7 +4,7 @@ release_out_of_window, cache_unfinished, cache_finished with sessions, release,
 close_session, flush, evict) over FULL + SWA + MAMBA with accounting-only pools.
 
 After every step each handle must be exactly one of: free in its pool, owned by a live
-`CachedRequest` (its pages from `prefix_len // page_size` on that are >= 0, its state
+`RequestState` (its pages from `prefix_len // page_size` on that are >= 0, its state
 slot, its checkpoints), or held by the tree. A live request's pages below `prefix_len`
 are the tree's, and must still be there, locked.
 """
@@ -110,10 +110,10 @@ class CacheMachine(RuleBasedStateMachine):
             assert self.tree.locked == locked, "CacheFull left something locked"
             return
         P = self.P
-        assert req.prefix_len == req.cached_tokens and req.prefix_len % P == 0
+        assert req.prefix_len == req.reused and req.prefix_len % P == 0
         assert req.node.end == req.prefix_len
         assert req.state_slot is not None
-        assert req.state_len == (req.prefix_len if req.node.value[MAMBA] is not None and req.prefix_len else 0)
+        assert req.computed == (req.prefix_len if req.node.value[MAMBA] is not None and req.prefix_len else 0)
         # what the request reuses is what the tree holds on its path, up to the boundary
         full, swa = {}, {}
         x = req.node
@@ -151,8 +151,8 @@ class CacheMachine(RuleBasedStateMachine):
         (at the aligned end, at the junction, or anywhere up to the end)."""
         req = self.pick(pick)
         P = self.P
-        n = req.num_tokens // P * P
-        pos = {"end": n, "junction": req.matched, "any": min(k * P, n)}[where]
+        n = req.allocated // P * P
+        pos = {"end": n, "junction": req.junction, "any": min(k * P, n)}[where]
         if pos == 0:
             return
         try:
@@ -165,7 +165,7 @@ class CacheMachine(RuleBasedStateMachine):
     def state_at_end(self, pick):
         """The engine has computed every token: its private state is valid at the end."""
         req = self.pick(pick)
-        req.state_len = req.num_tokens
+        req.computed = req.allocated
 
     @precondition(lambda self: self.live)
     @rule(pick=PICK)
@@ -179,15 +179,15 @@ class CacheMachine(RuleBasedStateMachine):
         assert len(gone) == freed and all(after[p] == -1 for p in gone), (
             f"release_out_of_window said {freed} freed, the pages show {gone}")
         # only its own pages, never the window it still decodes with, nor the junction's
-        jlo, jhi = max(0, req.matched - self.W + 1) // P, req.matched // P
+        jlo, jhi = max(0, req.junction - self.W + 1) // P, req.junction // P
         for p in gone:
             assert p >= req.prefix_len // P, f"freed the tree's SWA page {p}"
-            assert (p + 1) * P <= req.num_tokens - self.W + 1, f"freed SWA page {p} inside the window"
+            assert (p + 1) * P <= req.allocated - self.W + 1, f"freed SWA page {p} inside the window"
             assert not jlo <= p < jhi, f"freed SWA page {p} of the junction window"
 
     def capture_end(self, req):
         """The engine captures the state at the aligned end (what the tree will keep)."""
-        n = req.num_tokens // self.P * self.P
+        n = req.allocated // self.P * self.P
         if n:
             try:
                 self.cache.add_checkpoint(req, n)
@@ -201,7 +201,7 @@ class CacheMachine(RuleBasedStateMachine):
         if capture:
             self.capture_end(req)
         self.cache.cache_unfinished(req)
-        assert req.prefix_len == req.num_tokens // self.P * self.P
+        assert req.prefix_len == req.allocated // self.P * self.P
         self.remember(req)
 
     @precondition(lambda self: self.live)
@@ -213,7 +213,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.remember(req)
         node = self.cache.cache_finished(req, session_id=sid)
         self.live.remove(req)
-        assert req.done
+        assert not req.held
         if sid is not None and node.parent is not None:
             self.sessions.add(sid)
 
@@ -264,11 +264,11 @@ class CacheMachine(RuleBasedStateMachine):
         held, nodes = tree_handles(self.tree)
         own = ([], [], [])
         for req in self.live:
-            assert not req.done and not req.receipt.released
+            assert req.held and not req.receipt.released
             b = req.prefix_len // P
             for ci, name in ((FULL, "full"), (SWA, "swa")):
                 pages = req.pages[name]
-                assert len(pages) == -(-req.num_tokens // P), f"{name} pages do not cover the request"
+                assert len(pages) == -(-req.allocated // P), f"{name} pages do not cover the request"
                 own[ci].extend(h for h in pages[b:] if h >= 0)
             own[MAMBA].extend(req.checkpoints.values())
             if req.state_slot is not None:

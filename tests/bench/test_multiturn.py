@@ -88,7 +88,7 @@ def test_run_prints_a_table(capsys):
     (["--enable-hierarchical-cache", "--hicache-ratio", "1"], "--hicache-ratio"),
     (["--enable-hierarchical-cache", "--hicache-size", "0.000001"], "--hicache-size"),
     (["--hicache-write-policy", "write_back"], "--enable-hierarchical-cache"),
-    (["--first-round-tokens", "0"], "first_round_tokens"),
+    (["--first-round-tokens", "0"], "--first-round-tokens"),
 ])
 def test_bad_flags_are_clear_errors(capsys, flags, message):
     assert main(["run", "--no-progress", *flags]) == 2
@@ -102,7 +102,7 @@ def test_run_exits_nonzero_and_says_why_when_requests_fail(capsys):
             "--shared-prefix-tokens", "0", "--max-total-tokens", "32", "--no-progress"]
     assert main(args) == 1
     out, err = capsys.readouterr()
-    assert "4 of 4 requests failed" in err and "can never fit" in err and "max_total_tokens" in err
+    assert "4 of 4 requests failed" in err and "can never fit" in err and "--max-total-tokens" in err
     rows = [line.split() for line in out.splitlines() if line.split() and line.split()[0] in ("1", "2", "all")]
     assert len(rows) == 3
     for row in rows:  # round, prompt, cached, hit rate, TTFT, input tok/s, errors
@@ -211,6 +211,10 @@ def test_run_keeps_checkpoints_of_one_preset_apart_in_l3(tmp_path, capsys):
 
 
 def test_tier_settings_and_backend_settings_split_on_one_list():
-    from uniradix.cli import TIER_SETTINGS
+    """The extra config's tier keys are declared once (config.StorageConfig): the
+    backends leave out exactly those, and each is a storage setting."""
+    from uniradix.config import StorageConfig
     from uniradix.hicache.backends import TIER_KEYS
-    assert set(TIER_SETTINGS) == set(TIER_KEYS)
+    assert TIER_KEYS == StorageConfig.tier_keys()
+    assert set(TIER_KEYS) == {"prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
+                              "prefetch_timeout_max", "model_fingerprint", "auth_secret"}

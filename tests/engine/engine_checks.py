@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import sys
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -17,14 +16,14 @@ from uniradix.model import PRESETS, reference_forward
 from uniradix.tree.component import page_floor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tree"))
-from helpers import held  # noqa: E402  (tests/tree: handles the tree holds, per component)
+import helpers  # noqa: E402,F401  (tests/tree, on sys.path for the engine tests that use it)
 
 PRESET_NAMES = list(PRESETS)
 PAGE_SIZES = (1, 4, 16)
 TOL = 1e-4
 
 __all__ = ["PRESET_NAMES", "PAGE_SIZES", "TOL", "Engine", "Request", "SamplingParams", "page_floor",
-           "toks", "diverging", "greedy", "check_exact", "check_work", "tree_nodes", "tree_handles",
+           "toks", "diverging", "greedy", "check_exact", "check_work", "tree_nodes",
            "check_ownership", "check_host_ownership", "check_settled", "check_flush", "run_checked",
            "has_kind"]
 
@@ -85,107 +84,26 @@ def tree_nodes(tree):
     return out
 
 
-def tree_handles(tree) -> dict[str, Counter]:
-    tree_nodes(tree)  # the structure check
-    return held(tree)
-
-
-def _holders(engine: Engine) -> list:
-    """Sequences that own cache state: running ones, and those waiting for an L3 read."""
-    return list(engine.running) + [seq for seq, _, _ in engine.prefetching]
-
-
-def _request_handles(engine: Engine):
-    """(handles each running request owns, handles of the tree each one reads) per pool."""
-    own = {name: Counter() for name in engine.pools}
-    reads = {name: Counter() for name in engine.pools}
-    P = engine.page_size
-    for seq in _holders(engine):
-        creq = seq.creq
-        assert creq is not None, "a running sequence lost its cache request"
-        cut = creq.prefix_len // P
-        for name, pages in creq.pages.items():
-            reads[name].update(int(h) for h in pages[:cut] if h >= 0)
-            own[name].update(int(h) for h in pages[cut:] if h >= 0)
-        if "mamba" in engine.pools:
-            if creq.state_slot is not None:
-                own["mamba"][creq.state_slot] += 1
-            own["mamba"].update(creq.checkpoints.values())
-    for seq in engine.waiting:
-        assert seq.creq is None, "a waiting sequence holds cache state"
-    return own, reads
-
-
 def check_ownership(engine: Engine) -> None:
-    """DESIGN §3 'accounting is exact', checked at any point between steps: every
-    allocated handle of every pool is held exactly once, by the tree or by one running
-    request; what a running request reads from the tree is still there (nothing locked
-    was evicted)."""
-    tree = engine.cache.tree
-    held = tree_handles(tree)
-    own, reads = _request_handles(engine)
-    for name, pool in engine.pools.items():
-        h, o = held[name], own[name]
-        dup = [x for x, k in (h + o).items() if k > 1]
-        assert not dup, f"{name}: handles owned twice (tree and/or requests): {sorted(dup)[:10]}"
-        total = sum(h.values()) + sum(o.values())
-        assert pool.size - pool.available == total, \
-            f"{name}: {pool.size - pool.available} handles allocated, the tree holds {sum(h.values())} " \
-            f"and running requests {sum(o.values())}: leak or double free"
-        for x in list(h) + list(o):
-            assert pool.is_allocated(x), f"{name}: handle {x} is owned but free in the pool"
-        gone = set(reads[name]) - set(h)
-        assert not gone, f"{name}: tree pages a running request reads were evicted: {sorted(gone)[:10]}"
-    ti = tree.index
-    for name in engine.pools:
-        assert tree.size[ti[name]] == sum(held[name].values()), (name, tree.size, held[name])
-    check_host_ownership(engine)
-
-
-def host_held(tree) -> dict[str, Counter]:
-    out = {c.name: Counter() for c in tree.components}
-    for nd in tree.nodes():
-        for c in tree.components:
-            v = nd.host[c.index]
-            if v is not None:
-                out[c.name].update(v)
-        assert any(v is not None for v in (nd.value[0], nd.host[0])), f"{nd}: FULL in no tier"
-    return out
+    """DESIGN §3 'accounting is exact', checked at any point between steps by the
+    library's audit (uniradix.cache.audit): every allocated handle of every pool, in both
+    tiers, is held exactly once, by the tree or by one running request; what a running
+    request reads from the tree is still there (nothing locked was evicted)."""
+    for st in engine.waiting:
+        assert not st.held, "a waiting request holds cache state"
+    engine.audit()
 
 
 def check_host_ownership(engine: Engine) -> None:
-    """The host tier: every allocated host handle is held exactly once, by the tree or by
-    a running request (pages it read from L3 through the host, until it is cached)."""
-    cache = engine.cache
-    if cache.host_pools is None:
-        return
-    tree = cache.tree
-    held = host_held(tree)
-    staged = {c.name: Counter() for c in tree.components}
-    for seq in _holders(engine):
-        for ci, pages in (seq.creq.staged or {}).items():
-            if ci < 0:
-                staged[tree.components[cache.ckpt.index].name].update(pages)
-            else:
-                staged[tree.components[ci].name].update(h for _, h in pages.values())
-    for c, hp in zip(tree.components, cache.host_pools):
-        assert tree.host_size[c.index] == sum(held[c.name].values())
-        h = held[c.name] + staged[c.name]
-        dup = [x for x, k in h.items() if k > 1]
-        assert not dup, f"host {c.name}: handles held twice: {sorted(dup)[:10]}"
-        assert hp.size - hp.available == sum(h.values()), \
-            f"host {c.name}: {hp.size - hp.available} allocated, the tree holds {sum(h.values())}"
+    """The host tier's part of the audit (check_ownership covers it too)."""
+    engine.audit()
 
 
 def check_settled(engine: Engine) -> None:
     """After every request finished: nothing running or waiting, no lock left anywhere,
     and every allocated handle belongs to the tree."""
     assert not engine.running and not engine.waiting
-    tree = engine.cache.tree
-    assert list(tree.locked) == [0] * tree.nc, f"locks left after the run: {tree.locked}"
-    for nd in tree_nodes(tree):
-        assert not any(nd.locks), f"a lock was left on {nd}"
-    check_ownership(engine)
+    engine.audit(settled=True)
 
 
 def check_flush(engine: Engine) -> None:

@@ -41,8 +41,8 @@ TOO_BIG = [
     (dict(max_mamba_cache_size=1_000_000_000), "--max-mamba-cache-size"),
     (dict(max_total_tokens=500_000_000), "--max-total-tokens"),
     (dict(max_total_tokens=20_000_000, swa_full_tokens_ratio=60.0), "--swa-full-tokens-ratio"),
-    (dict(hierarchical=True, hicache_ratio=1e5), "--hicache-ratio"),
-    (dict(hierarchical=True, hicache_size=100.0), "--hicache-size"),
+    (dict(enable_hierarchical_cache=True, hicache_ratio=1e5), "--hicache-ratio"),
+    (dict(enable_hierarchical_cache=True, hicache_size=100.0), "--hicache-size"),
 ]
 
 
@@ -70,8 +70,8 @@ def test_the_message_gives_the_figures(nothing_built):
     (dict(max_mamba_cache_size=10**12), "--max-mamba-cache-size"),
     (dict(max_total_tokens=10**15), "--max-total-tokens"),
     (dict(swa_full_tokens_ratio=1e300), "--swa-full-tokens-ratio"),
-    (dict(hierarchical=True, hicache_ratio=1e300), "--hicache-ratio"),
-    (dict(hierarchical=True, hicache_size=1e300), "--hicache-size"),
+    (dict(enable_hierarchical_cache=True, hicache_ratio=1e300), "--hicache-ratio"),
+    (dict(enable_hierarchical_cache=True, hicache_size=1e300), "--hicache-size"),
 ])
 def test_sizes_past_int32_handles_are_refused_before_any_arithmetic_overflows(kw, flag, nothing_built):
     assert "one pool can index" in refused(flag, **kw)
@@ -85,13 +85,13 @@ def test_swa_full_tokens_ratio_must_be_finite_and_positive(value, nothing_built)
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), 1.0, 0.5, 0, -2, True])
 def test_hicache_ratio_must_be_finite_and_above_one(value, nothing_built):
-    assert refused("--hicache-ratio", hierarchical=True, hicache_ratio=value).startswith(
+    assert refused("--hicache-ratio", enable_hierarchical_cache=True, hicache_ratio=value).startswith(
         "--hicache-ratio must be a finite number > 1")
 
 
 @pytest.mark.parametrize("value", [float("inf"), float("nan"), 0.0, -1.0, True])
 def test_hicache_size_must_be_finite_and_positive(value, nothing_built):
-    assert refused("--hicache-size", hierarchical=True, hicache_size=value).startswith(
+    assert refused("--hicache-size", enable_hierarchical_cache=True, hicache_size=value).startswith(
         "--hicache-size must be a finite number > 0")
 
 
@@ -99,7 +99,14 @@ def test_hicache_size_must_be_finite_and_positive(value, nothing_built):
                                         ("--max-mamba-cache-size", "max_mamba_cache_size")])
 @pytest.mark.parametrize("value", [0, -4, 4096.0, 1.5, True, "64", None])
 def test_counts_must_be_positive_ints(flag, name, value, nothing_built):
+    if value is None and name == "max_mamba_cache_size":
+        return  # None is its documented default: see the next test
     assert refused(flag, **{name: value}) == f"{flag} must be a positive integer, got {value!r}"
+
+
+def test_the_recurrent_pool_defaults_to_four_slots_per_running_request_and_64():
+    _, pools = build_cache(TINY, max_total_tokens=64, max_mamba_cache_size=None, max_running=5)
+    assert pools["mamba"].size == 4 * 5 + 64
 
 
 def test_fewer_tokens_than_a_page(nothing_built):
@@ -119,14 +126,14 @@ def test_cuda_pools_are_checked_against_that_device(monkeypatch, nothing_built):
     msg = refused("--max-total-tokens", device="cuda", max_total_tokens=4_000_000)
     assert msg.startswith("the FULL KV pool needs 1.9 GB for 4000000 pages (--max-total-tokens) "
                           "and the cuda:0 has 1.0 GB available")
-    msg = refused("--hicache-ratio", device="cuda", hierarchical=True, hicache_ratio=5e4)
+    msg = refused("--hicache-ratio", device="cuda", enable_hierarchical_cache=True, hicache_ratio=5e4)
     assert msg.startswith("the host copy of the FULL KV pool needs") and "the cpu has 8.0 GB" in msg
 
 
 @pytest.mark.parametrize("hierarchical", [False, True])
 def test_sizes_that_fit_still_build_and_cost_what_was_priced(hierarchical):
     cache, pools = build_cache(TINY, page_size=4, max_total_tokens=4096, swa_full_tokens_ratio=0.5,
-                               max_mamba_cache_size=16, hierarchical=hierarchical, hicache_ratio=2.0)
+                               max_mamba_cache_size=16, enable_hierarchical_cache=hierarchical, hicache_ratio=2.0)
     assert {name: p.size for name, p in pools.items()} == {"full": 1024, "swa": 512, "mamba": 16}
     for p in [*pools.values(), *(cache.host_pools or [])]:
         assert sum(t.untyped_storage().nbytes() for t in p.handle_tensors()) == p.nbytes

@@ -70,12 +70,12 @@ def test_storage_tier(make_engine, tmp_path, pattern, page):
     """What one engine wrote through, a fresh engine over the same store reuses."""
     cfg = HybridConfig(pattern=pattern)
     a = make_engine(cfg, page_size=page, max_total_tokens=1024, storage=FileBackend(str(tmp_path)),
-                    storage_prefetch_threshold=1)
+                    prefetch_threshold=1)
     (first,), nxt = conversation(a, random.Random(3), turns=1)
     s = a.stats()
     assert s["storage_saved_objects"] > 0 and s["storage_errors"] == 0, s
     b = make_engine(cfg, page_size=page, max_total_tokens=1024, storage=FileBackend(str(tmp_path)),
-                    storage_prefetch_threshold=1)
+                    prefetch_threshold=1)
     r = greedy(nxt, 4)
     run_checked(b, [r])
     check_exact(b, r)

@@ -230,8 +230,8 @@ def test_device_host_and_storage_together(make_engine, tmp_path, name, page):
     from its own tiers."""
     from uniradix.hicache.backends.file import FileBackend
     a = hier(make_engine, name, page, max_total_tokens=320, max_mamba_cache_size=24,
-             storage=FileBackend(str(tmp_path)), storage_prefetch_threshold=page,
-             storage_prefetch_policy="wait_complete")
+             storage=FileBackend(str(tmp_path)), prefetch_threshold=page,
+             hicache_storage_prefetch_policy="wait_complete")
     try:
         reqs = conversations(a, random.Random(31), n=6, turns=3)
         assert_host_used(a, reqs)
@@ -240,8 +240,8 @@ def test_device_host_and_storage_together(make_engine, tmp_path, name, page):
         a.close()
     last = reqs[-1]
     b = hier(make_engine, name, page, max_total_tokens=320, max_mamba_cache_size=24,
-             storage=FileBackend(str(tmp_path)), storage_prefetch_threshold=page,
-             storage_prefetch_policy="wait_complete")
+             storage=FileBackend(str(tmp_path)), prefetch_threshold=page,
+             hicache_storage_prefetch_policy="wait_complete")
     try:
         nxt = last.input_ids + last.output_ids + toks(random.Random(32), 9)
         r = greedy(nxt, 4)
@@ -265,8 +265,8 @@ def test_pressure_over_host_and_storage_stays_exact(make_engine, tmp_path, name)
     eight: turns come from the device, the host or the store; all exact."""
     from uniradix.hicache.backends.file import FileBackend
     eng = hier(make_engine, name, 4, max_total_tokens=320, max_mamba_cache_size=24, hicache_ratio=1.5,
-               storage=FileBackend(str(tmp_path)), storage_prefetch_threshold=4,
-               storage_prefetch_policy="wait_complete")
+               storage=FileBackend(str(tmp_path)), prefetch_threshold=4,
+               hicache_storage_prefetch_policy="wait_complete")
     try:
         reqs = conversations(eng, random.Random(33), n=8, turns=4)
     finally:
@@ -283,8 +283,8 @@ def _host_then_store(make_engine, tmp_path, name, page):
     and writes it to the store. Returns e1 and turn 3's prompt, which e1 can resume from
     its host (turn 1) and then deeper from the store (turn 2)."""
     from uniradix.hicache.backends.file import FileBackend
-    kw = {"max_total_tokens": 128, "max_mamba_cache_size": 8, "storage_prefetch_threshold": page,
-          "storage_prefetch_policy": "wait_complete"}
+    kw = {"max_total_tokens": 128, "max_mamba_cache_size": 8, "prefetch_threshold": page,
+          "hicache_storage_prefetch_policy": "wait_complete"}
     e1 = hier(make_engine, name, page, hicache_ratio=8.0, storage=FileBackend(str(tmp_path)), **kw)
     e2 = make_engine(name, page_size=page, storage=FileBackend(str(tmp_path)), **kw)
     rng = random.Random(1)
@@ -338,7 +338,7 @@ def test_a_slow_host_load_does_not_overwrite_the_state_read_from_the_store(make_
     correct engine orders the store's data after it, and then nothing is delayed)."""
     import threading
 
-    import uniradix.cache as cache_mod
+    import uniradix.hicache.l2 as cache_mod  # where the host tier starts its loads
     page = 4
     e1, p3, _ = _host_then_store(make_engine, tmp_path, name, page)
     gate = threading.Event()
@@ -417,9 +417,9 @@ def test_hierarchical_flags_fail_clearly():
         Engine("tiny-hybrid", enable_hierarchical_cache=True, hicache_ratio=0.5)
     with pytest.raises(ValueError, match="--hicache-size"):
         Engine("tiny-hybrid", max_total_tokens=256, enable_hierarchical_cache=True, hicache_size=1e-7)
-    with pytest.raises(ValueError, match="unknown write policy"):
+    with pytest.raises(ValueError, match="--hicache-write-policy must be one of .*, got 'write_around'"):
         Engine("tiny-hybrid", enable_hierarchical_cache=True, hicache_write_policy="write_around")
-    with pytest.raises(ValueError, match="write_through_threshold"):
+    with pytest.raises(ValueError, match="--write-through-threshold must be a positive integer"):
         Engine("tiny-hybrid", enable_hierarchical_cache=True, hicache_write_policy="write_through_selective",
                write_through_threshold=0)
 
@@ -470,7 +470,7 @@ def test_random_host_and_storage(make_engine, tmp_path, name, page, seed):
     from uniradix.hicache.backends.file import FileBackend
     rng = random.Random(2000 + seed)
     kw = {"max_total_tokens": 320, "max_mamba_cache_size": 24, "hicache_ratio": rng.choice([1.2, 2.0]),
-          "storage_prefetch_threshold": page, "storage_prefetch_policy": "wait_complete"}
+          "prefetch_threshold": page, "hicache_storage_prefetch_policy": "wait_complete"}
     eng = hier(make_engine, name, page, storage=FileBackend(str(tmp_path)), **kw)
     try:
         reqs = conversations(eng, rng, n=rng.randrange(4, 9), turns=rng.randrange(2, 5))

@@ -236,7 +236,7 @@ def test_pressure_preemption_stays_exact(make_engine, name, page):
     while eng.waiting or eng.running:
         eng.step()
         check_ownership(eng)
-        states = [s.req.status for s in eng.waiting]
+        states = [s.owner.status for s in eng.waiting]
         assert set(states) <= {"waiting", "preempted"}, states
         # a preempted request re-queues at the front: never behind one that has not started
         assert states == sorted(states, key=lambda st: st != "preempted"), states

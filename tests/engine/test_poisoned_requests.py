@@ -100,12 +100,16 @@ def test_accepted_forms_still_work(make_engine):
 
 
 # --------------------------------------------------------------------------- a step is failure-atomic
+def _state(eng, req):
+    return next(s for s in eng.waiting if s.owner is req)
+
+
 def _poison_priority(eng, req):
-    req.priority = "urgent"          # fails when the tree is asked to match
+    _state(eng, req).priority = "urgent"          # fails when the tree is asked to match
 
 
 def _poison_salt(eng, req):
-    req.salt = ["not", "hashable"]   # fails at the match too
+    _state(eng, req).salt = ["not", "hashable"]   # fails at the match too
 
 
 def _poison_session(eng, req):
@@ -117,8 +121,7 @@ def _poison_temperature(eng, req):
 
 
 def _poison_token(eng, req):
-    seq = next(s for s in eng.waiting if s.req is req)
-    seq.tokens[-3] = 10 ** 6         # fails inside the batched forward (embedding lookup)
+    _state(eng, req).tokens[-3] = 10 ** 6         # fails inside the batched forward (embedding lookup)
 
 
 POISONS = {"priority": _poison_priority, "salt": _poison_salt, "session_id": _poison_session,
@@ -130,7 +133,8 @@ POISONS = {"priority": _poison_priority, "salt": _poison_salt, "session_id": _po
 @pytest.mark.parametrize("position", range(4))
 def test_a_poisoned_request_fails_alone_in_every_position(make_engine, kind, position, page):
     """Three good requests (two resuming from a cached conversation, so the recurrent
-    state is restored from checkpoints) and one poisoned after submit, in one batch. The
+    state is restored from checkpoints) and one poisoned after submit (in the engine's
+    own state for it, as a bug would, or in the client's request), in one batch. The
     poisoned one ends in "error" with its handles returned; the good ones are exact, and
     every handle is owned once after every step. The engine keeps serving afterwards."""
     eng = make_engine("tiny-hybrid", page_size=page, max_running_requests=8)
@@ -196,3 +200,20 @@ def test_a_forward_that_fails_part_way_advances_no_state(make_engine, monkeypatc
     for r in good:
         check_exact(eng, r)
     check_settled(eng)
+
+
+def test_what_the_engine_needs_is_taken_at_submit(make_engine):
+    """Salt and priority are checked and copied at submit: a client that changes its
+    request afterwards changes nothing the engine uses."""
+    eng = make_engine("tiny-hybrid")
+    rng = random.Random(3)
+    r = greedy(toks(rng, 20), 3)
+    r.salt, r.priority = "tenant", 1
+    eng.submit(r)
+    r.salt, r.priority = ["not", "hashable"], "urgent"
+    eng.run([r])
+    check_exact(eng, r)
+    again = greedy(r.input_ids + r.output_ids, 2)
+    again.salt = "tenant"
+    eng.run([again])
+    assert again.metrics.cached_tokens > 0

@@ -18,7 +18,7 @@ from uniradix.tree.component import page_floor  # noqa: E402
 
 def engine(name, page, store, threshold=1, **kw):
     return Engine(name, page_size=page, max_total_tokens=2048, storage=store,
-                  storage_prefetch_threshold=threshold, **kw)
+                  prefetch_threshold=threshold, **kw)
 
 
 def conversation(eng, rng, turns=2, first=40, new=9, out=5):
@@ -79,7 +79,7 @@ def test_salts_and_models_do_not_share(tmp_path):
     b.run([same])
     assert same.metrics.storage_tokens > 0  # without the salt it is there
     d = Engine(a.cfg.with_(seed=7), page_size=4, max_total_tokens=2048,
-               storage=FileBackend(str(tmp_path)), storage_prefetch_threshold=1)
+               storage=FileBackend(str(tmp_path)), prefetch_threshold=1)
     r2 = greedy(nxt, 2)
     d.run([r2])
     check_exact(d, r2)
@@ -152,7 +152,7 @@ def test_corrupt_and_truncated_objects_are_never_used(tmp_path):
     s = b.stats()
     assert r.metrics.storage_tokens == 0 and s["storage_failed_loads"] == 1
     # every bad object the read met is counted and deleted at once
-    assert b.l3.counters["corrupt"] == b.l3.counters["deleted"] == len(files)
+    assert b.storage.store.counters["corrupt"] == b.storage.store.counters["deleted"] == len(files)
 
 
 @pytest.mark.parametrize("name", ["tiny-hybrid", "gemma3-like", "jamba-like"])
@@ -171,14 +171,14 @@ def test_a_damaged_object_is_replaced_by_the_recomputed_data(tmp_path, name):
     r = greedy(nxt, 3)
     b.run([r])
     check_exact(b, r)
-    assert r.metrics.storage_tokens == 0 and b.l3.counters["corrupt"] == 1 and b.l3.counters["deleted"] == 1
+    assert r.metrics.storage_tokens == 0 and b.storage.store.counters["corrupt"] == 1 and b.storage.store.counters["deleted"] == 1
     for turn in range(2):  # the following turns, each on a fresh engine: reuse is back
         c = engine(name, 4, FileBackend(str(tmp_path)))
         r2 = greedy(nxt, 3)
         c.run([r2])
         check_exact(c, r2)
         assert r2.metrics.storage_tokens == page_floor(len(nxt) - 1, 4), turn
-        assert c.l3.counters["corrupt"] == 0
+        assert c.storage.store.counters["corrupt"] == 0
 
 
 def test_a_full_disk_still_serves(tmp_path, monkeypatch):
@@ -234,7 +234,7 @@ def test_two_engines_over_one_redis(redis_url, name):
     check_exact(b, r)
     last = reqs[-1]
     assert r.metrics.storage_tokens == page_floor(len(last.input_ids) + len(last.output_ids) - 1, 4)
-    b.l3.backend.clear()
+    b.storage.backend.clear()
 
 
 @pytest.mark.parametrize("name", ["tiny-hybrid", "jamba-like"])
@@ -288,7 +288,7 @@ def stored_conversation(tmp_path, name="jamba-like"):
 def test_timeout_policy_gives_up_and_computes_while_the_store_hangs(tmp_path):
     nxt = stored_conversation(tmp_path)
     store = Gated(str(tmp_path))
-    b = engine("jamba-like", 4, store, storage_prefetch_policy="timeout", prefetch_timeout_base=0.05,
+    b = engine("jamba-like", 4, store, hicache_storage_prefetch_policy="timeout", prefetch_timeout_base=0.05,
                prefetch_timeout_per_ki_token=0.0, prefetch_timeout_max=0.05)
     try:
         r = greedy(nxt, 3)
@@ -306,7 +306,7 @@ def test_timeout_policy_gives_up_and_computes_while_the_store_hangs(tmp_path):
 def test_best_effort_never_holds_up_other_requests(tmp_path):
     nxt = stored_conversation(tmp_path)
     store = Gated(str(tmp_path))
-    b = engine("jamba-like", 4, store, storage_prefetch_policy="best_effort")
+    b = engine("jamba-like", 4, store, hicache_storage_prefetch_policy="best_effort")
     try:
         other = greedy([5] * 30, 6)     # nothing stored for it
         b.submit(other)
@@ -326,7 +326,7 @@ def test_wait_complete_waits_for_the_store(tmp_path):
     import threading
     nxt = stored_conversation(tmp_path)
     store = Gated(str(tmp_path))
-    b = engine("jamba-like", 4, store, storage_prefetch_policy="wait_complete", prefetch_timeout_max=0.0)
+    b = engine("jamba-like", 4, store, hicache_storage_prefetch_policy="wait_complete", prefetch_timeout_max=0.0)
     opener = threading.Timer(0.2, store.gate.set)
     opener.start()
     try:
@@ -341,8 +341,8 @@ def test_wait_complete_waits_for_the_store(tmp_path):
 
 
 def test_prefetch_settings_are_checked():
-    with pytest.raises(ValueError, match="prefetch policy"):
-        Engine("tiny-hybrid", storage_prefetch_policy="eager")
+    with pytest.raises(ValueError, match="--hicache-storage-prefetch-policy must be one of"):
+        Engine("tiny-hybrid", hicache_storage_prefetch_policy="eager")
     with pytest.raises(ValueError, match="prefetch_timeout_base"):
         Engine("tiny-hybrid", prefetch_timeout_base=-1)
 
@@ -362,7 +362,7 @@ def test_selective_write_through_writes_what_is_reused(tmp_path):
     fresh.run([r])
     check_exact(fresh, r)
     assert r.metrics.storage_tokens == page_floor(len(once) - 1, 4)
-    with pytest.raises(ValueError, match="write policy"):
+    with pytest.raises(ValueError, match="--hicache-write-policy write_back .* needs --enable-hierarchical-cache"):
         Engine("tiny-hybrid", hicache_write_policy="write_back")
 
 
@@ -373,7 +373,7 @@ def test_requests_waiting_behind_prefetches_are_not_refused(tmp_path, policy):
     it is not told it can never fit. Later rounds are served from L3."""
     from uniradix.bench import MultiTurnWorkload, run_multiturn
     eng = Engine("tiny-hybrid", page_size=16, max_total_tokens=1024, storage=FileBackend(str(tmp_path)),
-                 storage_prefetch_threshold=32, storage_prefetch_policy=policy)
+                 prefetch_threshold=32, hicache_storage_prefetch_policy=policy)
     wl = MultiTurnWorkload(clients=8, rounds=5, tokens_per_round=96, output_tokens=4, shared_prefix_tokens=0)
     rounds = run_multiturn(eng, wl)
     eng.close()
@@ -411,8 +411,8 @@ def test_conversations_under_pressure_over_l3_stay_exact(tmp_path, name, page):
     """Six conversations on device pools that hold about two: turns come back from L3,
     requests wait, are preempted and evicted, and every token stays exact."""
     eng = Engine(name, page_size=page, max_total_tokens=320, max_mamba_cache_size=24,
-                 storage=FileBackend(str(tmp_path)), storage_prefetch_threshold=page,
-                 storage_prefetch_policy="wait_complete")
+                 storage=FileBackend(str(tmp_path)), prefetch_threshold=page,
+                 hicache_storage_prefetch_policy="wait_complete")
     rng = random.Random(13)
     convs = [[rng.randrange(256) for _ in range(30)] for _ in range(6)]
     from_store = 0
@@ -467,7 +467,7 @@ def test_store_io_is_batched_and_off_the_scheduler_thread(tmp_path, name):
     never waits on the store, for writes or for reads."""
     import threading
     store = Recording(str(tmp_path))
-    eng = Engine(name, page_size=1, max_total_tokens=4096, storage=store, storage_prefetch_threshold=1)
+    eng = Engine(name, page_size=1, max_total_tokens=4096, storage=store, prefetch_threshold=1)
     rng = random.Random(17)
     r = greedy([rng.randrange(256) for _ in range(2000)], 3)
     eng.run([r])
@@ -479,8 +479,8 @@ def test_store_io_is_batched_and_off_the_scheduler_thread(tmp_path, name):
     assert all(t != main for _, _, t in store.calls), store.calls
     # the next turn, on a fresh engine: reads are batched and off the scheduler's thread too
     store.calls.clear()
-    b = Engine(name, page_size=1, max_total_tokens=4096, storage=store, storage_prefetch_threshold=1,
-               storage_prefetch_policy="wait_complete")
+    b = Engine(name, page_size=1, max_total_tokens=4096, storage=store, prefetch_threshold=1,
+               hicache_storage_prefetch_policy="wait_complete")
     r2 = greedy(r.input_ids + r.output_ids + [1, 2, 3], 2)
     b.run([r2])
     check_exact(b, r2)
@@ -489,7 +489,7 @@ def test_store_io_is_batched_and_off_the_scheduler_thread(tmp_path, name):
     assert sum(1 for c in store.calls if c[0] == "batch_get") == 1
     # a second write of the same path asks nothing of the store: its keys are known
     store.calls.clear()
-    assert b.l3.save_cached(r2.input_ids) == 0 and store.calls == []
+    assert b.storage.store.save_cached(r2.input_ids) == 0 and store.calls == []
     eng.close()
     b.close()
 
@@ -502,23 +502,23 @@ def test_other_weights_of_one_architecture_do_not_share(tmp_path):
     cfg = preset("tiny-hybrid")
     mine, other = init_weights(cfg), init_weights(cfg.with_(seed=9))
     a = Engine(cfg, weights=mine, page_size=4, max_total_tokens=2048, storage=FileBackend(str(tmp_path)),
-               storage_prefetch_threshold=1)
+               prefetch_threshold=1)
     _, nxt = conversation(a, random.Random(18), turns=1)
     b = Engine(cfg, weights=other, page_size=4, max_total_tokens=2048, storage=FileBackend(str(tmp_path)),
-               storage_prefetch_threshold=1)
+               prefetch_threshold=1)
     r = greedy(nxt, 3)
     b.run([r])
     check_exact(b, r)  # exact for b's own weights: nothing of a's was used
     assert r.metrics.storage_tokens == 0
     c = Engine(cfg, weights={k: v for k, v in mine.items()}, page_size=4, max_total_tokens=2048,
-               storage=FileBackend(str(tmp_path)), storage_prefetch_threshold=1)
+               storage=FileBackend(str(tmp_path)), prefetch_threshold=1)
     r2 = greedy(nxt, 3)
     c.run([r2])
     check_exact(c, r2)
     assert r2.metrics.storage_tokens > 0  # the same weights: the same namespace
     # a fleet that names its models itself: the name is the namespace
     named = [Engine(cfg, weights=w, page_size=4, max_total_tokens=2048, storage=FileBackend(str(tmp_path)),
-                    storage_prefetch_threshold=1, model_fingerprint="acme/tiny@v1") for w in (mine, mine)]
+                    prefetch_threshold=1, model_fingerprint="acme/tiny@v1") for w in (mine, mine)]
     r3 = greedy(nxt, 3)
     named[0].run([r3])
     assert r3.metrics.storage_tokens == 0  # nothing was written under that name yet
@@ -537,15 +537,15 @@ def test_with_a_secret_forged_objects_are_misses(tmp_path, monkeypatch):
     from uniradix.hicache import page_keys
     from uniradix.hicache.objects import pack_object, unpack_object
     secret = "s3cret-for-the-fleet"
-    a = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)), storage_secret=secret)
+    a = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)), auth_secret=secret)
     (first,), nxt = conversation(a, random.Random(19), turns=1)
-    b = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)), storage_secret=secret)
+    b = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)), auth_secret=secret)
     r = greedy(nxt, 3)
     b.run([r])
     check_exact(b, r)
     assert r.metrics.storage_tokens > 0  # same secret: shared
     # a writer without the secret replaces one FULL page with its own data and checksum
-    ns, seed = a.l3.namespace, a.l3.namespace.seed()
+    ns, seed = a.storage.store.namespace, a.storage.store.namespace.seed()
     key = page_keys(nxt, ns)[2]
     path = tmp_path / key
     payload = unpack_object(path.read_bytes(), key, seed, secret.encode())
@@ -556,7 +556,7 @@ def test_with_a_secret_forged_objects_are_misses(tmp_path, monkeypatch):
     c.run([r2])
     check_exact(c, r2)
     assert r2.metrics.storage_tokens == 0
-    assert c.l3.counters["unauthenticated"] == 1 and c.l3.counters["deleted"] == 1
+    assert c.storage.store.counters["unauthenticated"] == 1 and c.storage.store.counters["deleted"] == 1
     d = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)))  # c stored the recomputed page again
     r3 = greedy(nxt, 3)
     d.run([r3])
@@ -572,7 +572,7 @@ def test_window_of_one_token_resumes_from_l3_through_the_host_tier(tmp_path):
 
     def mk():
         return Engine(cfg, page_size=4, max_total_tokens=2048, storage=FileBackend(str(tmp_path)),
-                      storage_prefetch_threshold=1, enable_hierarchical_cache=True)
+                      prefetch_threshold=1, enable_hierarchical_cache=True)
 
     a = mk()
     r1 = greedy(list(range(30)), 5)

@@ -9,7 +9,7 @@ import torch
 from uniradix.engine import Engine, Request, SamplingParams, build_cache
 from uniradix.hicache import StorageNamespace
 from uniradix.hicache.backends.file import FileBackend
-from uniradix.hicache.l3 import L3Store
+from uniradix.hicache.store import L3Store
 from uniradix.model import reference_forward
 from uniradix.model.paged import PagedInput, paged_forward
 from uniradix.tree.component import page_floor
@@ -48,7 +48,7 @@ def test_a_fresh_cache_resumes_exactly_from_l3_alone(tmp_path, name, page):
     swa = pools["swa"].alloc(npages) if "swa" in pools else None
     slot = pools["mamba"].alloc(1)[0] if "mamba" in pools else None
     assert store.load(nxt, b, {"full": full, **({"swa": swa} if swa is not None else {})}, slot)
-    logits = paged_forward(eng.cfg, eng.weights, pools, [PagedInput(nxt[b:], b, full, swa, slot)])[0]
+    logits = paged_forward(eng.cfg, eng.weights, pools, [PagedInput(nxt[b:], b, {"full": full, "swa": swa}, slot)])[0]
     ref = reference_forward(eng.cfg, eng.weights, nxt)
     assert (logits - ref[b:]).abs().max() < 1e-4
     # writing again adds nothing: only what the store lacks is written

@@ -133,7 +133,7 @@ def first_turn(device="cpu"):
     full, swa = dev["full"].alloc(6), dev["swa"].alloc(6)
     slot, ckpt = dev["mamba"].alloc(2)
     dev["mamba"].zero_slots([slot, ckpt])
-    paged_forward(CFG, w, dev, [PagedInput(first, 0, full, swa, slot, capture={b: ckpt})])
+    paged_forward(CFG, w, dev, [PagedInput(first, 0, {"full": full, "swa": swa}, slot, capture={b: ckpt})])
     lo = max(0, b - CFG.window + 1) // PAGE  # first SWA page the window before b touches
     saved = {"full": full[:b // PAGE], "swa": swa[lo:b // PAGE], "mamba": [ckpt]}
     on_host = {n: host[n].alloc(len(hs)) for n, hs in saved.items()}
@@ -154,7 +154,7 @@ def resume(dev, on_host, second, b, lo, seed):
     own = n_pages - b // PAGE
     full = loaded["full"] + dev["full"].alloc(own)
     swa = [-1] * lo + list(loaded["swa"]) + list(dev["swa"].alloc(own))
-    inp = PagedInput(second[b:], b, full, swa, loaded["mamba"][0])
+    inp = PagedInput(second[b:], b, {"full": full, "swa": swa}, loaded["mamba"][0])
     return loaded, inp
 
 

@@ -40,7 +40,7 @@ def test_chunked_prefill_matches_the_oracle(name, page):
     pools["mamba"].zero_slots([slot])
     start = 0
     for end in (5, 6, 20, 37):
-        out = paged_forward(cfg, w, pools, [PagedInput(ids[start:end], start, full, swa, slot)])[0]
+        out = paged_forward(cfg, w, pools, [PagedInput(ids[start:end], start, {"full": full, "swa": swa}, slot)])[0]
         assert (out - ref[start:end]).abs().max() < 1e-4
         start = end
 
@@ -57,7 +57,7 @@ def test_resume_from_a_captured_checkpoint_with_reused_pages(name):
     swa = pools["swa"].alloc(6)
     slot, ckpt = pools["mamba"].alloc(2)
     pools["mamba"].zero_slots([slot, ckpt])
-    paged_forward(cfg, w, pools, [PagedInput(first, 0, full, swa, slot, capture={b: ckpt})])
+    paged_forward(cfg, w, pools, [PagedInput(first, 0, {"full": full, "swa": swa}, slot, capture={b: ckpt})])
     second = first[:b] + tokens(10, seed=9)
     # it reuses FULL pages of [0, b), the SWA window before b, and a copy of the checkpoint
     mine = pools["mamba"].alloc(1)[0]
@@ -66,8 +66,7 @@ def test_resume_from_a_captured_checkpoint_with_reused_pages(name):
     own_swa = pools["swa"].alloc(3)
     lo_page = max(0, b - cfg.window + 1) // page
     swa_pages = array("i", [-1] * lo_page) + swa[lo_page:b // page] + own_swa
-    out = paged_forward(cfg, w, pools, [PagedInput(second[b:], b, full[:b // page] + own_full,
-                                                   swa_pages, mine)])[0]
+    out = paged_forward(cfg, w, pools, [PagedInput(second[b:], b, {"full": full[:b // page] + own_full, "swa": swa_pages}, mine)])[0]
     ref = reference_forward(cfg, w, second)
     assert (out - ref[b:]).abs().max() < 1e-4
 
@@ -78,7 +77,7 @@ def test_an_absent_window_page_is_an_error():
     pools = make_pools(cfg, 4)
     full = pools["full"].alloc(4)
     with pytest.raises(ValueError, match="absent"):
-        paged_forward(cfg, w, pools, [PagedInput(tokens(4), 12, full, array("i", [-1] * 4), None)])
+        paged_forward(cfg, w, pools, [PagedInput(tokens(4), 12, {"full": full, "swa": array("i", [-1] * 4)}, None)])
 
 
 _WEIGHTS = {}
@@ -108,13 +107,13 @@ def _batch_scenario(cfg, page):
     a_slot, a_ckpt = mp.alloc(2)
     mp.zero_slots([a_slot, a_ckpt])
     b = 16
-    paged_forward(cfg, init_w(cfg), pools, [PagedInput(a_ids[:24], 0, a_full, a_swa, a_slot, capture={b: a_ckpt})])
+    paged_forward(cfg, init_w(cfg), pools, [PagedInput(a_ids[:24], 0, {"full": a_full, "swa": a_swa}, a_slot, capture={b: a_ckpt})])
 
     d_ids = tokens(12, seed=2)  # 11 cached, 1 new
     d_full, d_swa = fp.alloc(npg(12)), sp.alloc(npg(12))
     d_slot = mp.alloc(1)[0]
     mp.zero_slots([d_slot])
-    paged_forward(cfg, init_w(cfg), pools, [PagedInput(d_ids[:11], 0, d_full, d_swa, d_slot)])
+    paged_forward(cfg, init_w(cfg), pools, [PagedInput(d_ids[:11], 0, {"full": d_full, "swa": d_swa}, d_slot)])
 
     r_ids = tokens(7, seed=3)  # fresh
     r_full, r_swa = fp.alloc(npg(7)), sp.alloc(npg(7))
@@ -128,10 +127,10 @@ def _batch_scenario(cfg, page):
     c_full = a_full[:b // page] + fp.alloc(npg(26) - b // page)
     c_swa = array("i", [-1] * lo_page) + a_swa[lo_page:b // page] + sp.alloc(npg(26) - b // page)
 
-    batch = [PagedInput(r_ids, 0, r_full, r_swa, r_slot, capture={4: r_ckpt}),
-             PagedInput(a_ids[24:], 24, a_full, a_swa, a_slot),
-             PagedInput(c_ids[b:], b, c_full, c_swa, c_slot),
-             PagedInput(d_ids[11:], 11, d_full, d_swa, d_slot)]
+    batch = [PagedInput(r_ids, 0, {"full": r_full, "swa": r_swa}, r_slot, capture={4: r_ckpt}),
+             PagedInput(a_ids[24:], 24, {"full": a_full, "swa": a_swa}, a_slot),
+             PagedInput(c_ids[b:], b, {"full": c_full, "swa": c_swa}, c_slot),
+             PagedInput(d_ids[11:], 11, {"full": d_full, "swa": d_swa}, d_slot)]
     return pools, batch, [r_ids, a_ids, c_ids, d_ids], [r_slot, r_ckpt, a_slot, c_slot, d_slot]
 
 

@@ -50,14 +50,14 @@ def test_the_model_reads_exactly_the_swa_pages_the_tree_hands_out(P, W):
     for b in range(P, 6 * P + 1, P):
         pools = _pools(cfg, P)
         full, swa = pools["full"].alloc(npg), pools["swa"].alloc(npg)
-        paged_forward(cfg, w, pools, [PagedInput(ids[:b], 0, full, swa)])
+        paged_forward(cfg, w, pools, [PagedInput(ids[:b], 0, {"full": full, "swa": swa})])
         lo = swa_rule.window_start(b) // P
         handed = array("i", [-1] * lo) + swa[lo:]
-        out = paged_forward(cfg, w, pools, [PagedInput(ids[b:], b, full, handed)])[0]
+        out = paged_forward(cfg, w, pools, [PagedInput(ids[b:], b, {"full": full, "swa": handed})])[0]
         assert (out - ref[b:]).abs().max() < 1e-4, (P, W, b)
         if lo < b // P:
             handed[lo] = -1
             with pytest.raises(ValueError, match="absent"):
-                paged_forward(cfg, w, pools, [PagedInput(ids[b:], b, full, handed)])
+                paged_forward(cfg, w, pools, [PagedInput(ids[b:], b, {"full": full, "swa": handed})])
         else:  # W = 1: nothing before b is read
             assert W == 1 and lo == b // P

@@ -341,3 +341,27 @@ def check_useful_leaves(tree) -> None:
         exp = brute_force(tree, toks, salt_of[id(root)], either_tier=True)
         assert exp.matched == nd.end
         assert exp.boundary == nd.end, f"useless unlocked leaf {nd}: deepest {exp.deepest}"
+
+
+# --------------------------------------------------------------------------- a tier, for tree tests
+def evict_with(tree, want, copy=None, host: bool = False):
+    """Carry out the tree's eviction plans as a tier would: `copy(node, ci)` is offered
+    each device slot whose plan is COPY_DOWN (host handles holding its data, or None to
+    let it go without a copy), and, on the host tier, each slot about to be lost (a write
+    to the tier below; its result is unused). Returns the Freed."""
+    from uniradix.tree import COPY_DOWN, LOSE
+    freed = tree.freed()
+    for ci, k in enumerate(want):
+        out = freed.on_host[ci] if host else freed.device[ci]
+        while len(out) < k:
+            ev = tree.next_eviction(ci, host)
+            if ev is None:
+                break
+            h = None
+            if copy is not None:
+                if not host and ev.fate == COPY_DOWN:
+                    h = copy(ev.node, ci)
+                elif host and ev.fate == LOSE:
+                    copy(ev.node, ci)
+            tree.carry_out(ev, freed, h)
+    return tree.finish_eviction(freed)

@@ -139,7 +139,7 @@ class Sim:
                 absent = {q for q in range(npages - below) if rng.random() < self.hole_p}
                 values[name] = array("i", [-1] * below) + led.page_values(name, npages - below, absent)
         lock = rng.random() < 0.25
-        res = tree.insert(seq, values, prefix_len=prefix_len, junction=junction, lock=lock)
+        res = tree.insert(seq, values, prefix_len=prefix_len, resume_points=junction, lock=lock)
         led.returned(res.free)
         self.check_retention(seq[:n], res.existing, junction, values)
         if res.receipt is not None:
@@ -327,7 +327,7 @@ def test_retention_keeps_exactly_the_windows_it_resumes_from(P, W):
             tree = RadixTree([FullComponent(), SWAComponent(W)], page_size=P)
             seq = list(range(n))
             swa = array("i", range(100, 100 + npages))
-            r = tree.insert(seq, {"full": array("i", range(npages)), "swa": swa}, junction=junction)
+            r = tree.insert(seq, {"full": array("i", range(npages)), "swa": swa}, resume_points=junction)
             want = {q for j in {n, *junction} for q in H.page_rule_pages(W, j, P)}
             _, pages, _ = H.per_page(tree, seq)
             assert {q for q, h in enumerate(pages["swa"]) if h is not None} == want, (n, junction)
@@ -422,7 +422,7 @@ def test_junction_checkpoint_and_retention_windows():
     assert exp.matched == 10 and exp.deepest["swa"] == 0 and exp.boundary == 0
     b = a[:10] + [2] * 6
     r = tree.insert(b, {"full": array("i", range(10, 18)), "swa": array("i", range(110, 118)),
-                        "mamba": {10: 201, 16: 202}}, junction=10)
+                        "mamba": {10: 201, 16: 202}}, resume_points=10)
     assert sorted(r.free["full"]) == list(range(10, 15))
     # the junction window [6, 10) is kept: a third branch at 10 resumes there
     exp = H.check_match(tree, a[:10] + [3] * 6)

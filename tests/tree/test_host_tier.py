@@ -42,7 +42,7 @@ def insert(tree, hs, tokens, ckpts=()):
     n = len(tokens) // P
     values = {"full": hs.device(n), "swa": hs.device(n),
               "mamba": {p: next(hs.dev) for p in ckpts}}
-    return tree.insert(tokens, values, junction=list(ckpts))
+    return tree.insert(tokens, values, resume_points=list(ckpts))
 
 
 def back_up(tree, hs, node):
@@ -132,11 +132,11 @@ def test_match_lists_only_what_is_not_on_the_device():
     back_up(t, hs, r2.node)
     # drop the device copy of A's part only (its nodes are internal now: FULL may go
     # because the host keeps a copy)
-    outs = t._outs()
+    freed = t.freed()
     for a_node in t.match(A).node.path():
         for ci in range(3):
             if a_node.value[ci] is not None:
-                t._drop(a_node, ci, False, outs[ci])
+                t._drop(a_node, ci, False, freed.device[ci])
     m = t.match(B + [1])
     assert m.boundary == 12
     # FULL of [0, 8) comes from the host; the SWA window before 12 and the checkpoint
@@ -199,16 +199,16 @@ def test_write_back_backs_up_what_leaves_the_device():
         asked.append(ci)
         return hs.hosted(len(nd.value[ci]))
 
-    outs = t.evict_counts([100, 100, 100], backup=backup)
+    freed = H.evict_with(t, [100, 100, 100], backup)
     assert sorted(set(asked)) == [0, 1, 2]
-    assert len(outs[0]) == 8 and not any(outs[3:])
+    assert len(freed.device[0]) == 8 and not any(freed.on_host)
     assert t.size == [0, 0, 0] and t.host_size[0] == 8
     m = t.match(A + [1])
     assert m.boundary == 8 and m.loads
     # a backup that declines loses the slot as without a host tier
     t2, hs2 = hybrid(), Handles()
     insert(t2, hs2, A, ckpts=(8,))
-    t2.evict_counts([100, 0, 0], backup=lambda nd, ci: None)
+    H.evict_with(t2, [100, 0, 0], lambda nd, ci: None)
     assert t2.num_nodes == 0 and t2.match(A + [1]).boundary == 0
 
 
@@ -262,8 +262,7 @@ def test_host_copies_count_in_the_boundary_reference():
         for nd in t.nodes():
             for ci in range(3):
                 if nd.value[ci] is not None and nd.host[ci] is not None and rng.random() < 0.5:
-                    outs = t._outs()
-                    t._drop(nd, ci, False, outs[ci])
+                    t._drop(nd, ci, False, t.freed().device[ci])
         audit(t)
         for toks in paths:
             exp = H.brute_force(t, toks + [9], either_tier=True)
@@ -282,9 +281,9 @@ def write_back_takes(t, hs, x):
         asked.append((ci, nd))
         return hs.hosted(len(nd.value[ci]))
 
-    outs = t.evict_counts([100, 0, 0], backup=backup)
+    freed = H.evict_with(t, [100, 0, 0], backup)
     assert (0, x) in asked
-    assert x.value[0] is None and x.host[0] is not None and len(outs[0]) == 4
+    assert x.value[0] is None and x.host[0] is not None and len(freed.device[0]) == 4
     audit(t)
 
 

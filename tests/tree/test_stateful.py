@@ -598,7 +598,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
             ev = tree.evict_host(**kw) if host else tree.evict(**kw)
             freed = ev.freed
         else:
-            freed = Freed(list(NAMES), tree.evict_counts(list(want), host, backup))
+            freed = helpers.evict_with(tree, list(want), backup, host)
         assert isinstance(freed, Freed)
         side = freed.host if host else freed
         if not any(want):
@@ -778,7 +778,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
                      and all(p in passed_swa for p in range(max(ws // P, bp), npg)))
         res = self.tree.insert(r.tokens, {"full": array("i", full_in), "swa": array("i", swa_in),
                                           "mamba": ck},
-                               prefix_len=r.b, junction=j, salt=r.salt, priority=r.prio, lock=running)
+                               prefix_len=r.b, resume_points=j, salt=r.salt, priority=r.prio, lock=running)
         assert isinstance(res.free, Freed)
         self.free(res.free)
         assert res.existing == pre and res.existing >= r.b, (res.existing, pre, r.b)

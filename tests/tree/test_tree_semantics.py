@@ -86,7 +86,7 @@ def test_split_slices_values_keeps_checkpoint_lower_copies_locks():
 def test_swa_retention_keeps_end_and_junction_windows():
     t = RadixTree([FullComponent(), SWAComponent(4)], page_size=2)
     n = 20
-    r = t.insert(seq(n), {"full": A(*range(10)), "swa": A(*range(100, 110))}, junction=10)
+    r = t.insert(seq(n), {"full": A(*range(10)), "swa": A(*range(100, 110))}, resume_points=10)
     kept = {(nd.start, nd.end): (None if nd.value[1] is None else list(nd.value[1])) for nd in nodes(t)}
     assert kept == {(0, 6): None, (6, 10): [103, 104], (10, 16): None, (16, 20): [108, 109]}
     assert sorted(r.free["swa"]) == [100, 101, 102, 105, 106, 107]
@@ -95,7 +95,7 @@ def test_swa_retention_keeps_end_and_junction_windows():
 
 def test_swa_retention_keeps_a_window_at_each_named_junction():
     t = RadixTree([FullComponent(), SWAComponent(4)], page_size=2)
-    r = t.insert(seq(24), {"full": A(*range(12)), "swa": A(*range(100, 112))}, junction=(6, 14))
+    r = t.insert(seq(24), {"full": A(*range(12)), "swa": A(*range(100, 112))}, resume_points=(6, 14))
     kept = {(nd.start, nd.end): (None if nd.value[1] is None else list(nd.value[1])) for nd in nodes(t)}
     assert kept == {(0, 2): None, (2, 6): [101, 102], (6, 10): None, (10, 14): [105, 106],
                     (14, 20): None, (20, 24): [110, 111]}
@@ -107,7 +107,7 @@ def test_swa_retention_keeps_a_window_at_each_named_junction():
 
 def test_swa_keep_all_setting_keeps_every_page():
     t = RadixTree([FullComponent(), SWAComponent(4, keep_all=True)], page_size=2)
-    r = t.insert(seq(20), {"full": A(*range(10)), "swa": A(*range(100, 110))}, junction=10)
+    r = t.insert(seq(20), {"full": A(*range(10)), "swa": A(*range(100, 110))}, resume_points=10)
     assert len(r.free["swa"]) == 0 and t.size == [10, 10]
 
 
@@ -119,7 +119,7 @@ def test_insert_heals_tombstone():
     assert m.boundary == 0 and m.matched == 8 and m.deepest["swa"] == 0
     # a request recomputed 0..8 with SWA for the window [5, 8) before 8
     r = t.insert(seq(8), {"full": A(*range(8)), "swa": A(-1, -1, -1, -1, -1, 205, 206, 207)},
-                 prefix_len=0, junction=8)
+                 prefix_len=0, resume_points=8)
     assert sorted(r.free["full"]) == list(range(8))  # FULL duplicates of the cached pages
     assert len(r.free["swa"]) == 0  # healed, nothing returned
     m = t.match(seq(8))

@@ -8,31 +8,26 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from ..config import Settings, count, optional, setting
+
 
 @dataclass(frozen=True)
-class MultiTurnWorkload:
+class MultiTurnWorkload(Settings):
     """`shared_prefix_tokens` open every conversation (a system prompt all clients
     share); the first round adds `first_round_tokens` of the client's own (a document
     pasted in; default `tokens_per_round`), each later round `tokens_per_round` new user
     tokens; every round asks for `output_tokens` (greedy)."""
 
-    clients: int = 4
-    rounds: int = 4
-    tokens_per_round: int = 64
-    output_tokens: int = 16
-    shared_prefix_tokens: int = 32
-    vocab_size: int = 256
-    seed: int = 0
-    first_round_tokens: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("clients", "rounds", "tokens_per_round", "output_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.first_round_tokens is not None and self.first_round_tokens < 1:
-            raise ValueError(f"first_round_tokens must be at least 1, got {self.first_round_tokens}")
-        if self.shared_prefix_tokens < 0:
-            raise ValueError(f"shared_prefix_tokens must be >= 0, got {self.shared_prefix_tokens}")
+    clients: int = setting(8, "conversations in flight together", check=count())
+    rounds: int = setting(8, "turns per conversation", check=count())
+    tokens_per_round: int = setting(128, "new user tokens each turn", check=count())
+    output_tokens: int = setting(16, "tokens generated each turn", check=count())
+    shared_prefix_tokens: int = setting(128, "a system prompt every conversation opens with", check=count(0))
+    vocab_size: int = setting(256, "token ids are drawn below this", check=count(), flag=False)
+    seed: int = setting(0, "seed of the generated conversations", check=count(0))
+    first_round_tokens: int | None = setting(
+        None, "each client's own tokens in its first turn, e.g. a document (default: --tokens-per-round)",
+        check=optional(count()))
 
     @property
     def requests(self) -> int:

@@ -32,8 +32,7 @@ def host_mirror(pool, size: int, *, pin_memory: bool | None = None):
         mirror = type(pool)(pool.layer_ids, size, pool.page_size, pool.num_kv_heads,
                             pool.head_dim, pool.dtype, **common)
     elif isinstance(pool, MambaStatePool):
-        mirror = type(pool)(pool.layer_ids, size, pool.conv_shape, pool.state_shape,
-                            pool.conv_dtype, state_dtype=pool.state_dtype, **common)
+        mirror = type(pool)(pool.layer_ids, size, layer_shapes=pool.layer_shapes, **common)
     else:
         raise TypeError(f"host_mirror: expected a KVPool or MambaStatePool, got {type(pool).__name__}")
     for sc in pool.sidecars.values():
@@ -117,14 +116,13 @@ class HandleCopy:
     def run(self, layer_id=None, *, non_blocking: bool = False) -> None:
         src, dst = self.src, self.dst
         if layer_id is not None:
-            i = src._layer(layer_id)
+            src._layer(layer_id)  # the error for a layer the pool does not hold
         if self.empty:
             return
-        pairs = zip(src.handle_tensors(), dst.handle_tensors())
         if layer_id is None:
-            parts = [(s, d, 1) for s, d in pairs]
+            parts = [(s, d, 1) for s, d in zip(src.handle_tensors(), dst.handle_tensors())]
         else:
-            parts = [(s[i], d[i], 0) for s, d in pairs]
+            parts = [(s, d, 0) for s, d in zip(src.layer_tensors(layer_id), dst.layer_tensors(layer_id))]
         if layer_id is None or layer_id == src.layer_ids[0]:
             parts += [(sc.tensor, dst.sidecars[name].tensor, 0) for name, sc in src.sidecars.items()]
         for s, d, dim in parts:

@@ -129,6 +129,12 @@ class HandlePool:
     def _handle_tensors(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def layer_tensors(self, layer_id) -> list[torch.Tensor]:
+        """One layer's rows of each buffer, each ``[size, ...]``: what a layer-by-layer
+        copy moves for that layer."""
+        i = self._layer(layer_id)
+        return [t[i] for t in self.handle_tensors()]
+
     # -- accounting ---------------------------------------------------------
     @property
     def available(self) -> int:

@@ -1,18 +1,31 @@
-"""The reference hybrid model's shape: a layer pattern over F, S and M, and presets
-that mirror real layouts at a size a laptop CPU runs."""
+"""The reference hybrid model's shape: a layer pattern over F, S, M and -, and presets
+that mirror real layouts at a size a laptop CPU runs.
+
+Each letter is a layer kind: its mixer (attention, recurrent, or none) and the state it
+keeps (a component spec). The model's layer list, `layer_states()`, is what decides the
+cache's components and pools (components.group_layers)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-LAYER_KINDS = {"F": "full attention", "S": "sliding-window attention", "M": "recurrent (gated delta)"}
+from ..specs import (FullKV, KVShape, LayerState, ModelStates, RecurrentShape, RecurrentState,
+                          SlidingWindowKV, StateSpec, group_layers)
+
+LAYER_KINDS = {"F": "full attention", "S": "sliding-window attention", "M": "recurrent (gated delta)",
+               "-": "MLP only (keeps no cache)"}
+FULL = FullKV()
 
 
 @dataclass(frozen=True)
 class HybridConfig:
-    """pattern: one letter per layer (F, S, M). Attention uses grouped-query heads and
+    """pattern: one letter per layer (F, S, M, -). Attention uses grouped-query heads and
     RoPE; S attends to the last `window` tokens; M is a short causal depthwise conv
     (kernel `conv_kernel`, its own state) feeding a per-head recurrent state of
-    `state_dim` x `head_dim`, updated per token."""
+    `state_dim` x `head_dim`, updated per token; - has no mixer (MLP only).
+
+    `kinds` adds layer kinds: ((letter, spec), ...), an attention layer reading the KV a
+    KV spec describes (a second window, say) or a recurrent layer keeping a recurrent
+    spec's state; the spec is the layer's component."""
 
     pattern: str = "FSMF"
     vocab_size: int = 256
@@ -28,11 +41,17 @@ class HybridConfig:
     norm_eps: float = 1e-5
     dtype: str = "float32"
     seed: int = 0
+    kinds: tuple = ()
 
     def __post_init__(self) -> None:
-        bad = sorted(set(self.pattern) - set(LAYER_KINDS))
+        extra = dict(self.kinds)
+        for letter, spec in extra.items():
+            if letter in LAYER_KINDS or not isinstance(spec, StateSpec):
+                raise ValueError(f"kinds: {letter!r} must be a new letter mapped to a component spec, got {spec!r}")
+        known = set(LAYER_KINDS) | set(extra)
+        bad = sorted(set(self.pattern) - known)
         if not self.pattern or bad:
-            raise ValueError(f"pattern must be a non-empty string over {''.join(LAYER_KINDS)}, got {self.pattern!r}")
+            raise ValueError(f"pattern must be a non-empty string over {''.join(sorted(known))}, got {self.pattern!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
@@ -45,6 +64,39 @@ class HybridConfig:
     def layers(self, kind: str) -> list[int]:
         """Indices of the layers of one kind."""
         return [i for i, k in enumerate(self.pattern) if k == kind]
+
+    def spec(self, kind: str) -> StateSpec | None:
+        """The state a layer of this kind keeps (None: nothing)."""
+        if kind == "F":
+            return FULL
+        if kind == "S":
+            return SlidingWindowKV(self.window)
+        if kind == "M":
+            return RecurrentState()
+        return dict(self.kinds).get(kind)
+
+    def mixer(self, kind: str) -> str:
+        """"attention", "recurrent" or "mlp": what a layer of this kind computes."""
+        spec = self.spec(kind)
+        if spec is None:
+            return "mlp"
+        return "recurrent" if spec.checkpoint else "attention"
+
+    def layer_states(self) -> list[LayerState]:
+        """What each layer keeps, in layer order: the model's layer list."""
+        kv = KVShape(self.n_kv_heads, self.head_dim, self.dtype)
+        rec = RecurrentShape((self.n_heads * self.head_dim, self.conv_kernel - 1),
+                             (self.n_heads, self.state_dim, self.head_dim), self.dtype, self.dtype)
+        out = []
+        for i, kind in enumerate(self.pattern):
+            spec = self.spec(kind)
+            if spec is not None:
+                out.append(LayerState(i, spec, rec if spec.checkpoint else kv))
+        return out
+
+    def states(self) -> ModelStates:
+        """The model's components (FULL first) with the layers that keep each."""
+        return group_layers(self.layer_states(), FULL)
 
     def with_(self, **changes) -> "HybridConfig":
         return replace(self, **changes)

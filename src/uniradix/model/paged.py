@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..tree.component import first_visible
 from .config import HybridConfig
 from .layers import attend, mlp, recurrent_mix, rms_norm, rope
 
@@ -19,17 +18,17 @@ from .layers import attend, mlp, recurrent_mix, rms_norm, rope
 @dataclass
 class PagedInput:
     """One request's step. `start` tokens are already in its pages and state; `tokens`
-    are new, at positions start, start+1, ... `full_pages` / `swa_pages` hold one page
-    handle per page of [0, start + len(tokens)) (-1 where a SWA page is absent: only
-    the pages from the first key `start` reads on must be there, which is what the tree
-    hands out on resuming). `state_slot` holds the recurrent state at `start` and is
-    advanced in place. `capture` maps positions in (start, end] to slots
-    that receive a copy of the recurrent state there (checkpoints)."""
+    are new, at positions start, start+1, ... `pages[name]` holds, for each KV
+    component the model's attention layers read, one page handle per page of
+    [0, start + len(tokens)) (-1 where a page is absent: only the pages from the first
+    key `start` reads on must be there, which is what the tree hands out on resuming).
+    `state_slot` holds the recurrent state at `start` and is advanced in place.
+    `capture` maps positions in (start, end] to slots that receive a copy of the
+    recurrent state there (checkpoints)."""
 
     tokens: list[int]
     start: int
-    full_pages: object
-    swa_pages: object = None
+    pages: dict = field(default_factory=dict)
     state_slot: int | None = None
     capture: dict[int, int] = field(default_factory=dict)
 
@@ -61,10 +60,11 @@ class _Span:
 @torch.no_grad()
 def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[PagedInput], *,
                   wait_layer: Callable[[int], None] | None = None) -> list[torch.Tensor]:
-    """Logits [len(tokens), vocab] per request. pools: "full" and "swa" KVPools keyed
-    by model layer index, "mamba" a MambaStatePool, as the layer pattern needs.
-    `wait_layer(layer)` is called before a layer touches any pool data, so a layerwise
-    load from the host tier only has to have finished that layer."""
+    """Logits [len(tokens), vocab] per request. pools: by component name, each holding
+    the layers that keep that state (KVPools keyed by model layer index, a
+    MambaStatePool), as the model's layer states say. `wait_layer(layer)` is called
+    before a layer touches any pool data, so a layerwise load from the host tier only
+    has to have finished that layer."""
     if not inputs:
         return []
     device = weights["embed"].device
@@ -77,41 +77,42 @@ def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[Pa
     for n in lens:
         bounds.append(bounds[-1] + n)
     N = bounds[-1]
-    H, KV, hd, W = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.window
-    spans = {}
-    if "F" in cfg.pattern:
-        P = pools["full"].page_size
-        spans["F"] = [_Span(i.full_pages, P, 0, i.start, i.end, device) for i in inputs]
-    if "S" in cfg.pattern:
-        P = pools["swa"].page_size
-        # from the first key the first new token reads (the same rule the tree resumes by)
-        spans["S"] = [_Span(i.swa_pages, P, max(0, first_visible(i.start, W)), i.start, i.end, device)
-                      for i in inputs]
+    H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    specs = [cfg.spec(kind) for kind in cfg.pattern]
+    spans = {}  # per KV component: where each request's keys live
+    for spec in specs:
+        if spec is not None and not spec.checkpoint and spec.name not in spans:
+            P = pools[spec.name].page_size
+            # from the first key the first new token reads (the same rule the tree resumes by)
+            spans[spec.name] = [_Span(i.pages[spec.name], P, max(0, spec.first_key(i.start)), i.start, i.end,
+                                      device) for i in inputs]
     x = weights["embed"][ids]
     commits: list = []  # recurrent states, written to their slots once every layer has run
-    for layer, (kind, lw) in enumerate(zip(cfg.pattern, weights["layers"])):
+    for layer, (spec, lw) in enumerate(zip(specs, weights["layers"])):
         if wait_layer is not None:
             wait_layer(layer)
-        h = rms_norm(x, lw["norm1"], cfg.norm_eps)
-        if kind in "FS":
+        if spec is None:  # MLP only
+            pass
+        elif not spec.checkpoint:
+            h = rms_norm(x, lw["norm1"], cfg.norm_eps)
             q = rope((h @ lw["wq"]).view(N, H, hd), pos, cfg.rope_theta)
             k = rope((h @ lw["wk"]).view(N, KV, hd), pos, cfg.rope_theta)
             v = (h @ lw["wv"]).view(N, KV, hd)
-            pool = pools["full" if kind == "F" else "swa"]
+            pool = pools[spec.name]
             kp, vp = pool.k(layer), pool.v(layer)
             out = torch.empty_like(q)
-            window = W if kind == "S" else None
-            for r, sp in enumerate(spans[kind]):
+            for r, sp in enumerate(spans[spec.name]):
                 a, b = bounds[r], bounds[r + 1]
                 kp[sp.w_page, sp.w_off] = k[a:b]
                 vp[sp.w_page, sp.w_off] = v[a:b]
                 n = b - a + inputs[r].start - sp.lo
                 keys = kp[sp.idx].flatten(0, 1)[sp.off:sp.off + n]
                 vals = vp[sp.idx].flatten(0, 1)[sp.off:sp.off + n]
-                out[a:b] = attend(q[a:b], keys, vals, pos[a:b], sp.k_pos, window)
+                out[a:b] = attend(q[a:b], keys, vals, pos[a:b], sp.k_pos, spec.window)
             x = x + out.reshape(N, H * hd) @ lw["wo"]
         else:
-            mp = pools["mamba"]
+            h = rms_norm(x, lw["norm1"], cfg.norm_eps)
+            mp = pools[spec.name]
             outs = [_recurrent(cfg, lw, mp, layer, h[bounds[r]:bounds[r + 1]], inp, commits)
                     for r, inp in enumerate(inputs)]
             x = x + torch.cat(outs)

@@ -16,14 +16,16 @@ def reference_forward(cfg: HybridConfig, weights: dict, tokens) -> torch.Tensor:
     x = weights["embed"][ids]
     H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     for kind, lw in zip(cfg.pattern, weights["layers"]):
-        h = rms_norm(x, lw["norm1"], cfg.norm_eps)
-        if kind in "FS":
+        mixer = cfg.mixer(kind)
+        if mixer == "attention":
+            h = rms_norm(x, lw["norm1"], cfg.norm_eps)
             q = rope((h @ lw["wq"]).view(T, H, hd), pos, cfg.rope_theta)
             k = rope((h @ lw["wk"]).view(T, KV, hd), pos, cfg.rope_theta)
             v = (h @ lw["wv"]).view(T, KV, hd)
-            a = attend(q, k, v, pos, pos, cfg.window if kind == "S" else None)
+            a = attend(q, k, v, pos, pos, cfg.spec(kind).window)
             x = x + a.reshape(T, H * hd) @ lw["wo"]
-        else:
+        elif mixer == "recurrent":
+            h = rms_norm(x, lw["norm1"], cfg.norm_eps)
             C = H * hd
             conv0 = torch.zeros(C, cfg.conv_kernel - 1, dtype=x.dtype)
             ssm0 = torch.zeros(H, cfg.state_dim, hd, dtype=x.dtype)

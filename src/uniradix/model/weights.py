@@ -27,9 +27,12 @@ def init_weights(cfg: HybridConfig) -> dict:
     out = {"embed": w(cfg.vocab_size, D, scale=1.0), "norm_f": torch.ones(D, dtype=dtype),
            "head": w(D, cfg.vocab_size), "layers": []}
     for kind in cfg.pattern:
+        mixer = cfg.mixer(kind)
         lw = {"norm1": torch.ones(D, dtype=dtype), "norm2": torch.ones(D, dtype=dtype),
               "w_gate": w(D, cfg.mlp_hidden), "w_up": w(D, cfg.mlp_hidden), "w_down": w(cfg.mlp_hidden, D)}
-        if kind in "FS":
+        if mixer == "mlp":
+            del lw["norm1"]
+        elif mixer == "attention":
             lw.update(wq=w(D, H * hd), wk=w(D, KV * hd), wv=w(D, KV * hd), wo=w(H * hd, D))
         else:
             C = H * hd
@@ -65,9 +68,12 @@ def weight_shapes(cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
     D, H, KV, hd, sd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.state_dim
     out = {"embed": (cfg.vocab_size, D), "norm_f": (D,), "head": (D, cfg.vocab_size)}
     for i, kind in enumerate(cfg.pattern):
+        mixer = cfg.mixer(kind)
         lw = {"norm1": (D,), "norm2": (D,), "w_gate": (D, cfg.mlp_hidden), "w_up": (D, cfg.mlp_hidden),
               "w_down": (cfg.mlp_hidden, D)}
-        if kind in "FS":
+        if mixer == "mlp":
+            del lw["norm1"]
+        elif mixer == "attention":
             lw.update(wq=(D, H * hd), wk=(D, KV * hd), wv=(D, KV * hd), wo=(H * hd, D))
         else:
             C = H * hd
@@ -117,7 +123,7 @@ def _check_names(shapes: dict, have, what: str) -> None:
 
 
 def _config_metadata(cfg: HybridConfig) -> dict[str, str]:
-    return {"uniradix.pattern": cfg.pattern, "uniradix.config": json.dumps(asdict(cfg), sort_keys=True)}
+    return {"uniradix.pattern": cfg.pattern, "uniradix.config": json.dumps(asdict(cfg), sort_keys=True, default=repr)}
 
 
 def save_weights(weights: dict, path, cfg: HybridConfig | None = None, metadata: dict | None = None) -> None:

@@ -46,6 +46,8 @@ class Component:
     reach: int | None = 0
     #: False when plan() always says "no splits, keep everything": the tree skips the call
     plans = True
+    #: one handle per request (a recurrent state), valid at one boundary, rather than per page
+    checkpoint = False
 
     def __init__(self) -> None:
         self.index = -1
@@ -83,8 +85,8 @@ class Component:
         raise NotImplementedError
 
     # --- insert -----------------------------------------------------------------
-    def plan(self, n: int, junction: tuple, incoming, prefix_len: int, out: array):
-        """For an insert of n tokens, with `junction` the page-aligned positions later
+    def plan(self, n: int, resume_points: tuple, incoming, prefix_len: int, out: array):
+        """For an insert of n tokens, with `resume_points` the page-aligned positions later
         requests should be able to resume at: (positions where nodes must split so values attach
         to whole nodes, what to keep (passed back to adopt/reconcile), and the position
         below which existing nodes need no reconcile). Handles that can attach nowhere
@@ -178,7 +180,7 @@ class PageComponent(Component):
     def pin_from(self, nd):
         return self.window_start(nd.end)
 
-    def plan(self, n, junction, incoming, prefix_len, out):
+    def plan(self, n, resume_points, incoming, prefix_len, out):
         # nodes split where the incoming pages start or stop being present, so that a
         # hole costs only its own span (below prefix_len the pages are the tree's own)
         edges = _presence_edges(incoming, self.page, prefix_len // self.page) \
@@ -188,7 +190,7 @@ class PageComponent(Component):
             return edges, None, prefix_len
         e = self.window_start(n)
         cuts, keep = [e], [(e, n)]
-        for jn in junction:  # page-aligned positions later requests may resume at
+        for jn in resume_points:  # page-aligned positions later requests may resume at
             if jn <= 0:
                 continue
             j = self.window_start(jn)
@@ -270,6 +272,7 @@ class CheckpointComponent(Component):
 
     slices = False
     unit = "slots"
+    checkpoint = True
     reach = 0
 
     def accepted(self, path, matched, host=True):
@@ -294,7 +297,7 @@ class CheckpointComponent(Component):
         ci = self.index
         return -1 if nd.value[ci] is not None or nd.host[ci] is not None else None
 
-    def plan(self, n, junction, incoming, prefix_len, out):
+    def plan(self, n, resume_points, incoming, prefix_len, out):
         if not incoming:
             return (), None, n
         P = self.page

@@ -5,15 +5,38 @@ from array import array
 from dataclasses import dataclass, field
 
 
-class Freed(dict):
-    """Handles the tree let go of, per component name, for the caller to free: the
-    device ones as the mapping, the host tier's in `.host`. Built from the tree's
-    internal list (device at [index], host at [nc + index])."""
+class Freed:
+    """Handles the tree let go of, for the caller to free: `device[i]` and `on_host[i]`
+    per component index; by name, `freed["swa"]` (device) and `freed.host["swa"]`."""
 
-    def __init__(self, names: list[str], outs: list[array]) -> None:
-        nc = len(names)
-        super().__init__(zip(names, outs[:nc]))
-        self.host = dict(zip(names, outs[nc:]))
+    __slots__ = ("names", "device", "on_host")
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.device = [array("i") for _ in names]
+        self.on_host = [array("i") for _ in names]
+
+    def __getitem__(self, name: str) -> array:
+        return self.device[self.names.index(name)]
+
+    def keys(self):
+        return list(self.names)
+
+    def items(self):
+        return list(zip(self.names, self.device))
+
+    def values(self):
+        return list(self.device)
+
+    @property
+    def host(self) -> dict[str, array]:
+        return dict(zip(self.names, self.on_host))
+
+    def __bool__(self) -> bool:
+        return any(self.device) or any(self.on_host)
+
+    def __repr__(self) -> str:
+        return f"Freed(device={dict(self.items())}, host={self.host})"
 
 
 @dataclass(slots=True)
@@ -50,24 +73,18 @@ class MatchResult:
 
 class InsertResult:
     """`node` ends at the inserted length; `existing` tokens were already cached;
-    `free[name]`: incoming handles the tree did not keep (duplicates, out-of-window
-    pages, checkpoints that attach nowhere or are already present), and `free.host`
-    host copies of nodes the insert found useless: the caller frees them (`outs` holds
-    the same by index, device at [i], host at [nc + i]). `receipt`: the lock on `node`
-    when the insert was asked to lock."""
+    `free`: incoming handles the tree did not keep (duplicates, out-of-window pages,
+    checkpoints that attach nowhere or are already present) and host copies of nodes the
+    insert found useless, for the caller to free. `receipt`: the lock on `node` when the
+    insert was asked to lock."""
 
-    __slots__ = ("node", "existing", "outs", "names", "receipt")
+    __slots__ = ("node", "existing", "free", "receipt")
 
-    def __init__(self, node, existing: int, outs: list[array], names: list[str], receipt=None):
+    def __init__(self, node, existing: int, free: Freed, receipt=None):
         self.node = node
         self.existing = existing
-        self.outs = outs
-        self.names = names
+        self.free = free
         self.receipt = receipt
-
-    @property
-    def free(self) -> Freed:
-        return Freed(self.names, self.outs)
 
     def __repr__(self) -> str:
         return f"InsertResult(node={self.node!r}, existing={self.existing}, free={self.free})"

@@ -9,41 +9,14 @@ import inspect
 import json
 import math
 
+from ...config import STORAGE_BACKENDS, StorageConfig, parse_extra_config
 from ..storage import StorageBackend
 
-BACKENDS = ("file", "redis", "mooncake", "dynamic")
+BACKENDS = STORAGE_BACKENDS
 
-# Extra-config keys the storage tier reads itself (the CLI checks them); make_backend
-# leaves them out of the backend's settings.
-TIER_KEYS = ("prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
-             "prefetch_timeout_max", "model_fingerprint", "auth_secret")
-
-
-def parse_extra_config(text: str | dict | None) -> dict:
-    """`--hicache-storage-backend-extra-config`: a JSON object, or @path to a file
-    holding one."""
-    if text is None or text == "":
-        return {}
-    if isinstance(text, dict):
-        return dict(text)
-    if not isinstance(text, str):
-        raise ValueError(f"the storage extra config must be JSON text or a dict, "
-                         f"got {type(text).__name__}")
-    src = "the extra config"
-    if text.startswith("@"):
-        src = text[1:]
-        try:
-            with open(src) as fh:
-                text = fh.read()
-        except OSError as e:
-            raise ValueError(f"cannot read the storage extra config file {src}: {e}") from e
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{src} is not valid JSON: {e}") from e
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{src} must be a JSON object, got {type(cfg).__name__}")
-    return cfg
+# Extra-config keys the storage tier reads itself (config.StorageConfig checks them);
+# make_backend leaves them out of the backend's settings.
+TIER_KEYS = StorageConfig.tier_keys()
 
 
 def make_backend(name: str, extra_config: str | dict | None = None) -> StorageBackend:

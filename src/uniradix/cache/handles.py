@@ -1,0 +1,147 @@
+"""Where handles change hands: allocation that evicts on shortfall, in either tier, and
+the only place handles go back to their pools. The tree plans each eviction slot by
+slot; this carries the plans out, asking the host tier (when there is one) to copy down
+what should survive and to write down what the host is about to lose."""
+from __future__ import annotations
+
+from array import array
+
+from ..tree import COPY_DOWN, LOSE, Freed, RadixTree
+
+
+class CacheFull(RuntimeError):
+    """The pools cannot hold what was asked even after evicting everything unlocked."""
+
+
+class Ledger:
+    """tree: the RadixTree; pools: device pools by component index; host: the host
+    tier (hicache.l2.HostTier) or None. A pool is anything with alloc(n) ->
+    array('i'), free(handles), `available` and `size`."""
+
+    def __init__(self, tree: RadixTree, pools: list, host=None) -> None:
+        self.tree = tree
+        self.pools = pools
+        self.host = host
+        self.names = tree.names
+
+    # ------------------------------------------------------------------ freeing
+    def free(self, freed: Freed | None) -> None:
+        """Give back what the tree let go of, in both tiers."""
+        if not freed:
+            return
+        for pool, h in zip(self.pools, freed.device):
+            if h:
+                pool.free(h)
+        if self.host is not None:
+            for pool, h in zip(self.host.pools, freed.on_host):
+                if h:
+                    pool.free(h)
+
+    def free_device(self, ci: int, handles) -> None:
+        if handles:
+            self.pools[ci].free(handles if isinstance(handles, array) else array("i", handles))
+
+    def free_host(self, ci: int, handles) -> None:
+        if handles:
+            self.host.pools[ci].free(handles if isinstance(handles, array) else array("i", handles))
+
+    # ------------------------------------------------------------------ the device tier
+    def alloc(self, need: list[int]) -> list:
+        """Device handles per component index, evicting unlocked data on shortfall. All or
+        nothing: raises CacheFull and allocates nothing when locked data leaves too
+        little. Handles an eviction frees for a component being allocated go straight to
+        the caller (tree -> request: they stay allocated), so only the excess returns."""
+        pools = self.pools
+        short = None
+        for ci, k in enumerate(need):
+            if k and pools[ci].available < k:
+                if short is None:
+                    short = [0] * len(need)
+                short[ci] = k - pools[ci].available
+        if short is None:
+            return [pools[ci].alloc(k) if k else None for ci, k in enumerate(need)]
+        tree = self.tree
+        for ci, k in enumerate(short):
+            if k > tree.size[ci] - tree.locked[ci]:  # evicting could not make room: evict nothing
+                raise CacheFull(
+                    f"cannot allocate {need[ci]} {self.names[ci]} handles: {pools[ci].available} free and "
+                    f"{tree.evictable(self.names[ci])} evictable; the rest is locked by running requests")
+        freed = self.evict_device(short)
+        got: list = [None] * len(need)
+        for ci, h in enumerate(freed.device):
+            k = need[ci]
+            if k and h:
+                got[ci], freed.device[ci] = h[:k], h[k:]
+        self.free(freed)
+        for ci, k in enumerate(need):
+            have = 0 if got[ci] is None else len(got[ci])
+            if pools[ci].available < k - have:
+                for cj, h in enumerate(got):
+                    if h:
+                        pools[cj].free(h)
+                raise CacheFull(
+                    f"cannot allocate {k} {self.names[ci]} handles: {pools[ci].available + have} free after "
+                    f"evicting what the tree could give up; the rest of the {pools[ci].size} is held "
+                    f"by running requests")
+        for ci, k in enumerate(need):
+            if k:
+                have = got[ci]
+                if have is None:
+                    got[ci] = pools[ci].alloc(k)
+                elif len(have) < k:
+                    have += pools[ci].alloc(k - len(have))
+        return got
+
+    def evict_device(self, want: list[int]) -> Freed:
+        """Carry out the tree's plans until `want[ci]` device handles per component went
+        (or nothing more can): a slot to copy down is offered to the host tier first.
+        The freed handles are returned, not yet given back."""
+        tree, host = self.tree, self.host
+        if host is not None:
+            host.sync()  # a page being loaded is locked, but its copy must end before reuse
+        freed = tree.freed()
+        for ci, k in enumerate(want):
+            out = freed.device[ci]
+            while len(out) < k:
+                ev = tree.next_eviction(ci)
+                if ev is None:
+                    break
+                copy = host.copy_down(ev) if host is not None and ev.fate == COPY_DOWN else None
+                tree.carry_out(ev, freed, copy)
+        return tree.finish_eviction(freed)
+
+    def evict(self, want: list[int]) -> Freed:
+        """Evict explicitly (to make room ahead of time), as a shortfall would; the freed
+        handles are given back and returned for the count."""
+        freed = self.evict_device(want)
+        self.free(freed)
+        return freed
+
+    # ------------------------------------------------------------------ the host tier
+    def alloc_host(self, need: list[int]) -> list | None:
+        """Host handles per component index, evicting host data on shortfall; None
+        (nothing allocated) when the host tier cannot make room."""
+        hps = self.host.pools
+        short = [max(0, k - hp.available) for k, hp in zip(need, hps)]
+        if any(short):
+            self.free(self.evict_host(short))  # a node that goes whole gives back its device handles too
+            if any(k > hp.available for k, hp in zip(need, hps)):
+                return None
+        return [hp.alloc(k) if k else None for k, hp in zip(need, hps)]
+
+    def evict_host(self, want: list[int]) -> Freed:
+        """The host tier's plans: what only the host holds is offered to the tier below
+        before it is lost (write_back)."""
+        tree, host = self.tree, self.host
+        host.sync()
+        freed = tree.freed()
+        for ci, k in enumerate(want):
+            out = freed.on_host[ci]
+            while len(out) < k:
+                ev = tree.next_eviction(ci, host=True)
+                if ev is None:
+                    break
+                if ev.fate == LOSE:
+                    host.write_down(ev)
+                tree.carry_out(ev, freed)
+        return tree.finish_eviction(freed)

@@ -1,0 +1,376 @@
+"""Every setting, declared once: its type, default, allowed values, check and help.
+
+Settings live in frozen dataclasses, one per concern (the cache, the host tier, shared
+storage, the scheduler, the workload); a field made with `setting()` carries what the
+CLI needs, so `add_flags` generates the flags (SGLang's names: the field name with
+dashes) and `from_args` builds the configs back from them. Every value is checked when a
+config is made, whoever makes it (the CLI, `Engine(**settings)`, a test), with a
+ValueError that names the flag. Storage-tier settings SGLang takes in
+`--hicache-storage-backend-extra-config` (`extra=True`) are read from that JSON, and
+the rest of it configures the backend.
+
+Only the standard library: every layer may import this."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import numbers
+from dataclasses import MISSING, dataclass, field, fields, replace
+
+# ---------------------------------------------------------------------------- checks
+# A check returns None when the value is fine, else what it should be ("an int >= 1").
+
+
+def count(lo: int = 1):
+    what = "a positive integer" if lo == 1 else f"an int >= {lo}"
+
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+            return what
+        return None
+    return check
+
+
+def number(above: float | None = None, at_least: float | None = None):
+    what = f"> {above:g}" if above is not None else f">= {at_least:g}"
+
+    def check(v):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+            return f"a finite number {what}"
+        if (above is not None and not v > above) or (at_least is not None and not v >= at_least):
+            return f"a finite number {what}"
+        return None
+    return check
+
+
+def text(v):
+    return None if isinstance(v, str) and v else "a non-empty string"
+
+
+def flag_bool(v):
+    return None if isinstance(v, bool) else "true or false"
+
+
+def optional(inner):
+    def check(v):
+        return None if v is None else inner(v)
+    return check
+
+
+def setting(default, help: str, *, check=None, choices: tuple | None = None, extra: bool = False,
+            secret: bool = False, flag: bool = True, metavar: str | None = None):
+    """A config field. `choices`: the allowed values; `check`: see above; `extra`: read
+    from the storage extra-config JSON rather than a flag; `secret`: never echoed in a
+    message; `flag`: False for settings the API takes but the CLI does not offer."""
+    return field(default=default, metadata=dict(help=help, check=check, choices=choices, extra=extra,
+                                                secret=secret, flag=flag and not extra, metavar=metavar))
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _label(f) -> str:
+    if f.metadata.get("extra"):
+        return f"--hicache-storage-backend-extra-config: {f.name}"
+    return flag_name(f.name)
+
+
+def check_fields(cfg) -> None:
+    """Check every setting of a config instance; ValueError naming the flag."""
+    for f in fields(cfg):
+        md = f.metadata
+        if "help" not in md:
+            continue
+        v = getattr(cfg, f.name)
+        choices = md.get("choices")
+        if choices is not None and v not in choices:
+            raise ValueError(f"{_label(f)} must be one of {', '.join(map(str, choices))}, got {v!r}")
+        check = md.get("check")
+        want = check(v) if check is not None else None
+        if want:
+            shown = "<hidden>" if md.get("secret") else repr(v)
+            raise ValueError(f"{_label(f)} must be {want}, got {shown}")
+        # numpy scalars and the like become plain Python numbers (the tree's arithmetic is hot)
+        if isinstance(v, numbers.Integral) and not isinstance(v, bool) and type(v) is not int:
+            object.__setattr__(cfg, f.name, int(v))
+        elif isinstance(v, numbers.Real) and not isinstance(v, (bool, numbers.Integral)) and type(v) is not float:
+            object.__setattr__(cfg, f.name, float(v))
+
+
+class Settings:
+    """Mixin: checks on creation, and the settings as a flat dict."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        self.check()
+
+    def check(self) -> None:
+        """Rules that tie several settings together."""
+
+    def as_dict(self) -> dict:
+        return {f.name: ("<hidden>" if f.metadata.get("secret") and getattr(self, f.name) else
+                         getattr(self, f.name)) for f in fields(self)}
+
+
+# ---------------------------------------------------------------------------- allowed values
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+STORAGE_BACKENDS = ("file", "redis", "mooncake", "dynamic")
+
+
+# ---------------------------------------------------------------------------- the configs
+@dataclass(frozen=True)
+class CacheConfig(Settings):
+    """The device tier (L1): pool sizes as SGLang's flags give them, and the tree."""
+
+    page_size: int = setting(1, "tokens per KV page", check=count())
+    max_total_tokens: int = setting(16384, "FULL KV pool size in tokens", check=count())
+    swa_full_tokens_ratio: float = setting(1.0, "SWA KV pool size as a fraction of the FULL pool",
+                                           check=number(above=0))
+    max_mamba_cache_size: int | None = setting(
+        None, "recurrent state slots for running requests and checkpoints "
+              "(default: 4 x --max-running-requests + 64)", check=optional(count()))
+    radix_eviction_policy: str = setting("lru", "eviction order", choices=EVICTION_POLICIES)
+    disable_radix_cache: bool = setting(False, "reuse nothing (the baseline)", check=flag_bool)
+
+    def check(self) -> None:
+        if self.max_total_tokens < self.page_size:
+            raise ValueError(f"--max-total-tokens ({self.max_total_tokens}) is below one page "
+                             f"(--page-size {self.page_size})")
+
+
+@dataclass(frozen=True)
+class HostTierConfig(Settings):
+    """The host tier (L2): host mirrors of every device pool, and when data goes down."""
+
+    enable_hierarchical_cache: bool = setting(
+        False, "add the host tier (L2): host copies of every pool, loaded back layer by layer",
+        check=flag_bool)
+    hicache_ratio: float = setting(2.0, "host pools as a multiple of the device pools (must be > 1)")
+    hicache_size: float | None = setting(None, "host pools in GB in all; overrides --hicache-ratio",
+                                         check=optional(number(above=0)))
+    hicache_write_policy: str = setting(
+        "write_through", "when data goes down a tier: when cached (write_through), once reused "
+        "--write-through-threshold times (write_through_selective), or when it leaves the tier above "
+        "(write_back, needs --enable-hierarchical-cache)", choices=WRITE_POLICIES)
+    write_through_threshold: int = setting(2, "accesses before write_through_selective writes a prefix",
+                                           check=count())
+
+    def check(self) -> None:
+        if self.enable_hierarchical_cache and self.hicache_size is None and number(above=1)(self.hicache_ratio):
+            raise ValueError(f"--hicache-ratio must be a finite number > 1 (the host tier must be larger "
+                             f"than the device tier), got {self.hicache_ratio!r}")
+
+    @property
+    def write_min_hits(self) -> int:
+        """Accesses a node needs before it is written down (0: any)."""
+        return self.write_through_threshold if self.hicache_write_policy == "write_through_selective" else 0
+
+
+@dataclass(frozen=True)
+class StorageConfig(Settings):
+    """Shared storage (L3): the backend, how long a request waits for a read, and what
+    names the data (the model's fingerprint, the objects' MAC secret)."""
+
+    hicache_storage_backend: str | None = setting(
+        None, "L3 shared storage: finished work is written through, deeper prefixes are loaded",
+        choices=(None, *STORAGE_BACKENDS))
+    hicache_storage_backend_extra_config: str | None = setting(
+        None, "backend settings as a JSON object or @file (path, url, prefix, ...), and the tier's own: "
+              "prefetch_threshold (tokens beyond the device hit worth a load, default 256), "
+              "prefetch_timeout_base / _per_ki_token / _max (seconds, default 1 / 0.25 / 3), "
+              "model_fingerprint (the model's name in the store), auth_secret (MAC key of the objects)",
+        check=optional(text))
+    hicache_storage_prefetch_policy: str = setting("best_effort", "how long a request waits for its L3 read",
+                                                   choices=PREFETCH_POLICIES)
+    prefetch_threshold: int = setting(256, "tokens beyond the device hit worth an L3 read", check=count(0),
+                                      extra=True)
+    prefetch_timeout_base: float = setting(1.0, "seconds a timeout-policy read may take, base",
+                                           check=number(at_least=0), extra=True)
+    prefetch_timeout_per_ki_token: float = setting(0.25, "seconds more per 1024 tokens read",
+                                                   check=number(at_least=0), extra=True)
+    prefetch_timeout_max: float = setting(3.0, "seconds a timeout-policy read may take at most",
+                                          check=number(at_least=0), extra=True)
+    model_fingerprint: str | None = setting(None, "the model's name in the store (default: a digest "
+                                                  "of its config and weights)", check=optional(text),
+                                            extra=True)
+    auth_secret: str | None = setting(None, "key of the objects' MAC (default: $UNIRADIX_L3_SECRET)",
+                                      check=optional(text), extra=True, secret=True)
+    rank: int = setting(0, "tensor-parallel rank (part of the namespace)", check=count(0), flag=False)
+
+    @classmethod
+    def tier_keys(cls) -> tuple[str, ...]:
+        """The extra-config keys the tier reads itself; the rest go to the backend."""
+        return tuple(f.name for f in fields(cls) if f.metadata.get("extra"))
+
+    def prefetch_timeout(self, tokens: int) -> float:
+        """How long a request reading `tokens` waits under the timeout policy."""
+        return min(self.prefetch_timeout_max,
+                   self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * tokens / 1024)
+
+    def backend_settings(self) -> dict:
+        """The extra config without the tier's keys: what configures the backend."""
+        from_json = parse_extra_config(self.hicache_storage_backend_extra_config)
+        return {k: v for k, v in from_json.items() if k not in self.tier_keys()}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig(Settings):
+    """Batching and where the model runs."""
+
+    chunked_prefill_size: int = setting(256, "prefill tokens per step", check=count())
+    max_running_requests: int = setting(16, "requests in a batch", check=count())
+    device: str = setting("cpu", "cpu or cuda[:N]", check=text)
+
+
+@dataclass(frozen=True)
+class ModelSettings(Settings):
+    """Which model `uniradix run` serves (an Engine takes the model itself)."""
+
+    model_preset: str = setting("tiny-hybrid", "layer layout of the embedded reference model (tiny-hybrid: F+S+M)",
+                                check=text)
+    model_path: str | None = setting(None, "a safetensors file of weights for the preset "
+                                           "(default: seeded weights)", check=optional(text))
+
+
+GROUPS = {"cache": CacheConfig, "host": HostTierConfig, "storage": StorageConfig,
+          "scheduler": SchedulerConfig}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All of an engine's settings, by concern."""
+
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    host: HostTierConfig = field(default_factory=HostTierConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.host.hicache_write_policy == "write_back" and not self.host.enable_hierarchical_cache:
+            raise ValueError("--hicache-write-policy write_back writes on eviction from the host tier: "
+                             "it needs --enable-hierarchical-cache")
+
+    @classmethod
+    def of(cls, **settings) -> "EngineConfig":
+        """From settings by name, each going to its concern (unknown names refused)."""
+        parts = {group: {} for group in GROUPS}
+        owner = {f.name: group for group, c in GROUPS.items() for f in fields(c)}
+        for name, v in settings.items():
+            if name not in owner:
+                raise TypeError(f"unknown setting {name!r}; see uniradix.config for the settings")
+            parts[owner[name]][name] = v
+        return cls(**{group: GROUPS[group](**kw) for group, kw in parts.items()})
+
+    def with_(self, **settings) -> "EngineConfig":
+        """A copy with some settings changed (checked again)."""
+        flat = {k: v for group in GROUPS for k, v in _plain(getattr(self, group)).items()}
+        return EngineConfig.of(**{**flat, **settings})
+
+    def as_dict(self) -> dict:
+        """Every setting by name (secrets hidden): what a server reports as in force."""
+        return {k: v for group in GROUPS for k, v in getattr(self, group).as_dict().items()}
+
+
+def _plain(cfg) -> dict:
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+
+
+# ---------------------------------------------------------------------------- the CLI
+def _parse(kind, inner):
+    def parse(text_value: str):
+        try:
+            return inner(text_value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text_value!r} is not {kind}") from None
+    return parse
+
+
+def _arg_type(f):
+    d = f.default
+    hint = str(f.type)
+    if "int" in hint and "float" not in hint:
+        return _parse("an int", int)
+    if "float" in hint:
+        return _parse("a number", float)
+    return str if d is None or isinstance(d, str) else type(d)
+
+
+def add_flags(parser, config_cls, title: str | None = None, choices: dict | None = None) -> None:
+    """One flag per setting of `config_cls` (not the extra-config ones); `choices`:
+    allowed values known only above this module (the model presets, say)."""
+    g = parser.add_argument_group(title or config_cls.__doc__.split("\n")[0])
+    for f in fields(config_cls):
+        md = f.metadata
+        if not md.get("flag"):
+            continue
+        kw = dict(default=f.default if f.default is not MISSING else None, help=md["help"], dest=f.name)
+        if isinstance(f.default, bool):
+            g.add_argument(flag_name(f.name), action="store_true", **kw)
+            continue
+        allowed = (choices or {}).get(f.name, md.get("choices"))
+        if allowed is not None:
+            kw["choices"] = [c for c in allowed if c is not None]
+        else:
+            kw["type"] = _arg_type(f)
+        if md.get("metavar"):
+            kw["metavar"] = md["metavar"]
+        g.add_argument(flag_name(f.name), **kw)
+
+
+def from_args(config_cls, ns: argparse.Namespace, **extra):
+    """A config from parsed flags (and `extra` fields not offered as flags)."""
+    kw = {f.name: getattr(ns, f.name) for f in fields(config_cls) if f.metadata.get("flag") and hasattr(ns, f.name)}
+    return config_cls(**kw, **extra)
+
+
+def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
+    """The engine's settings from `uniradix run` / `serve` flags; the storage tier's own
+    settings come out of the extra config JSON."""
+    storage_extra = {}
+    if getattr(ns, "hicache_storage_backend", None):
+        from_json = parse_extra_config(getattr(ns, "hicache_storage_backend_extra_config", None))
+        keys = StorageConfig.tier_keys()
+        unknown = sorted(k for k in from_json if k.startswith("prefetch_") and k not in keys)
+        if unknown:
+            raise ValueError(f"--hicache-storage-backend-extra-config: unknown prefetch setting(s) {unknown}; "
+                             f"known: {', '.join(k for k in keys if k.startswith('prefetch_'))}")
+        storage_extra = {k: v for k, v in from_json.items() if k in keys}
+    return EngineConfig(cache=from_args(CacheConfig, ns), host=from_args(HostTierConfig, ns),
+                        storage=from_args(StorageConfig, ns, **storage_extra),
+                        scheduler=from_args(SchedulerConfig, ns))
+
+
+def parse_extra_config(text_value: str | dict | None) -> dict:
+    """`--hicache-storage-backend-extra-config`: a JSON object, or @path to a file
+    holding one."""
+    if text_value is None or text_value == "":
+        return {}
+    if isinstance(text_value, dict):
+        return dict(text_value)
+    if not isinstance(text_value, str):
+        raise ValueError(f"the storage extra config must be JSON text or a dict, got {type(text_value).__name__}")
+    src = "--hicache-storage-backend-extra-config"
+    if text_value.startswith("@"):
+        src = text_value[1:]
+        try:
+            with open(src) as fh:
+                text_value = fh.read()
+        except OSError as e:
+            raise ValueError(f"cannot read the storage extra config file {src}: {e}") from e
+    try:
+        cfg = json.loads(text_value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{src} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{src} must be a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+__all__ = ["CacheConfig", "EngineConfig", "HostTierConfig", "ModelSettings", "SchedulerConfig", "StorageConfig",
+           "Settings",
+           "setting", "add_flags", "from_args", "engine_config_from_args", "parse_extra_config",
+           "EVICTION_POLICIES", "WRITE_POLICIES", "PREFETCH_POLICIES", "STORAGE_BACKENDS", "replace"]

@@ -1,0 +1,414 @@
+"""A cache's pages and checkpoints in L3: which keys they go under, how deep a prefix
+the store can serve (the deepest boundary every component accepts), and all-or-nothing
+save and load through the checked object format.
+
+Keys: FULL page i under the chained page key k_i; a SWA page under k_i + ".swa"; a
+MAMBA checkpoint at position (i+1)*P under k_i + ".mamba"; a sidecar's row under the
+component's key with "_<sidecar>" added to the suffix (".full_scales" for FULL). A
+component whose pool holds no tensors (the FULL pool of a model with no full-attention
+layer only counts pages) stores empty objects: they mark the page as present, so every
+mix of layers goes through L3 the same way.
+
+Saving is split so that no store I/O runs on the scheduler's thread: `prepare_*` reads
+the tree and the pools (the scheduler's thread, which owns them) and returns a
+`SaveJob` of payloads; `commit` asks the store which keys it lacks (one batched call)
+and writes those (any thread). Keys this store has seen written or present are
+remembered (a bounded set), so a conversation's earlier turns are not read from the
+pools again. A read that finds an object damaged, forged or from another format
+deletes it at once, so the recomputed data replaces it at the next write."""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from array import array
+
+from ..tree import decode, encode
+from .codec import (handle_nbytes, read_handles, read_sidecar_rows, sidecar_row_nbytes, write_handles,
+                    write_sidecar_rows)
+from .keys import StorageNamespace, component_key, page_keys
+from .log_limit import LogLimiter
+from .objects import CorruptObject, pack_object, unpack_object
+from .storage import StorageBackend, StorageUnavailable
+
+log = logging.getLogger("uniradix.hicache")
+
+_NEG = array("i", (-1,))
+
+#: keys remembered as present in the store (about 40 bytes each)
+KNOWN_KEYS = 1 << 18
+
+
+@dataclass
+class Fetched:
+    """Checked objects for a load to [start, b), not yet written to the pools."""
+
+    b: int
+    start: int
+    plan: list
+    blobs: list
+    objects: int
+
+
+@dataclass
+class SaveJob:
+    """Payloads to write if the store lacks them; built on the scheduler's thread from
+    the pools, committed on any thread."""
+
+    keys: list
+    payloads: list
+    seed: bytes
+
+
+class L3Store:
+    """cache: a UnifiedRadixCache (its components, pools and page size); backend: the
+    StorageBackend; namespace: a StorageNamespace without salt (the salt of each call
+    is added to it); secret: the key of the objects' MAC (objects.resolve_secret), or
+    None for plain checksums."""
+
+    def __init__(self, cache, backend: StorageBackend, namespace: StorageNamespace,
+                 secret: bytes | None = None, known_keys: int = KNOWN_KEYS) -> None:
+        if namespace.page_size != cache.page_size:
+            raise ValueError(f"namespace page size {namespace.page_size} != cache page size {cache.page_size}")
+        self.cache = cache
+        self.backend = backend
+        self.namespace = namespace
+        self.secret = secret
+        self.P = cache.page_size
+        self.comps = cache.page_comps
+        self.ckpt = cache.ckpt
+        self.counters = dict(saved_objects=0, loaded_objects=0, corrupt=0, unauthenticated=0, deleted=0,
+                             failed_sets=0, errors=0, loads=0, failed_loads=0)
+        self._lock = threading.Lock()
+        self._known: OrderedDict = OrderedDict()
+        self._known_max = known_keys
+        self._warn = LogLimiter(log, "L3")
+
+    # ------------------------------------------------------------------ keys
+    def _ns(self, salt) -> StorageNamespace:
+        n = self.namespace
+        return n if salt is None else n.with_salt(salt)
+
+    def _key(self, page_key: str, c) -> str:
+        return page_key if c.structural else component_key(page_key, c.name)
+
+    def _sidecar_keys(self, pool, c, keys):
+        out = []
+        for sc in getattr(pool, "sidecars", {}).values():
+            out.append((sc, [component_key(k, f"{c.name}_{sc.name}") for k in keys]))
+        return out
+
+    def _is_known(self, key: str) -> bool:
+        h = hash(key)
+        with self._lock:
+            if h in self._known:
+                self._known.move_to_end(h)
+                return True
+        return False
+
+    def _remember(self, keys) -> None:
+        with self._lock:
+            known = self._known
+            for k in keys:
+                known[hash(k)] = None
+                known.move_to_end(hash(k))
+            while len(known) > self._known_max:
+                known.popitem(last=False)
+
+    def _forget(self, keys) -> None:
+        with self._lock:
+            for k in keys:
+                self._known.pop(hash(k), None)
+
+    # ------------------------------------------------------------------ hit
+    def hit(self, tokens, salt=None) -> int:
+        """The deepest page-aligned boundary b such that the store has FULL pages of
+        [0, b), the SWA pages of the window before b, and a MAMBA checkpoint at b."""
+        return self._hit(page_keys(tokens, self._ns(salt)))
+
+    def _hit(self, keys: list[str]) -> int:
+        b_pages = self.backend.batch_exists(keys)
+        while b_pages > 0:
+            b = b_pages * self.P
+            if self._accepts(keys, b):
+                return b
+            b_pages -= 1
+        return 0
+
+    def _accepts(self, keys, b: int) -> bool:
+        P = self.P
+        for c in self.comps:
+            if c.structural:  # its leading run is what batch_exists counted
+                continue
+            lo = c.window_start(b) // P
+            ks = [self._key(k, c) for k in keys[lo:b // P]]
+            if self.backend.batch_exists(ks) != len(ks):
+                return False
+        if self.ckpt is not None:
+            k = component_key(keys[b // P - 1], self.ckpt.name)
+            if self.backend.batch_exists([k]) != 1:
+                return False
+        return True
+
+    # ------------------------------------------------------------------ save
+    def prepare_save(self, tokens, pages: dict, checkpoints: dict | None = None, salt=None,
+                     pools: list | None = None) -> SaveJob | None:
+        """What a save would write, read from the pools now (the scheduler's thread):
+        for each page component the pages of `pages[name]` that are present (>= 0),
+        their sidecar rows, and checkpoint slots at their page-aligned positions; keys
+        remembered as present in the store are left out. The handles index `pools` (by
+        component index; default the cache's device pools; the host pools for a
+        write-back from the host tier). None when there is nothing to write."""
+        pools = self.cache.pools if pools is None else pools
+        ns = self._ns(salt)
+        keys = page_keys(tokens, ns)
+        out_k, out_v = [], []
+        for c in self.comps:
+            pool = pools[c.index]
+            hs = pages.get(c.name)
+            if hs is None:
+                continue
+            pos = [i for i in range(min(len(hs), len(keys))) if hs[i] >= 0
+                   and not self._is_known(self._key(keys[i], c))]
+            if not pos:
+                continue
+            handles = [hs[i] for i in pos]
+            out_k += [self._key(keys[i], c) for i in pos]
+            out_v += read_handles(pool, handles)
+            for sc, sks in self._sidecar_keys(pool, c, [keys[i] for i in pos]):
+                out_k += sks
+                out_v += read_sidecar_rows(sc, handles)
+        if self.ckpt is not None and checkpoints:
+            pool = pools[self.ckpt.index]
+            name = self.ckpt.name
+            pos = [p for p in sorted(checkpoints) if p % self.P == 0 and 0 < p <= len(keys) * self.P
+                   and not self._is_known(component_key(keys[p // self.P - 1], name))]
+            if pos:
+                out_k += [component_key(keys[p // self.P - 1], name) for p in pos]
+                out_v += read_handles(pool, [checkpoints[p] for p in pos])
+        if not out_k:
+            return None
+        return SaveJob(out_k, out_v, ns.seed())
+
+    def commit(self, job: SaveJob | None) -> int:
+        """Write what the store lacks of `job` (one batched membership call, one batched
+        set; any thread). Returns the objects written. A store that fails costs only
+        this write: it is counted (errors, failed_sets) and logged, never raised."""
+        if job is None:
+            return 0
+        try:
+            have = self.backend.batch_contains(job.keys)
+            self._remember(k for k, h in zip(job.keys, have) if h)
+            todo = [i for i, h in enumerate(have) if not h]
+            if not todo:
+                return 0
+            keys = [job.keys[i] for i in todo]
+            ok = self.backend.batch_set(keys, [pack_object(k, job.payloads[i], job.seed, self.secret)
+                                               for k, i in zip(keys, todo)])
+        except StorageUnavailable as e:
+            self._count("errors")
+            self._warn.failure("writes skipped (store unavailable)", "a write was skipped: %s", e)
+            return 0
+        except Exception:  # a backend bug: the cache keeps serving, the write is lost
+            self._count("errors")
+            log.exception("L3 write failed")
+            return 0
+        self._remember(k for k, good in zip(keys, ok) if good)
+        n = sum(ok)
+        self._count("saved_objects", n)
+        self._count("failed_sets", len(ok) - n)
+        return n
+
+    def save(self, tokens, pages: dict, checkpoints: dict | None = None, salt=None,
+             pools: list | None = None) -> int:
+        """prepare_save then commit, here and now. Returns the objects written."""
+        return self.commit(self.prepare_save(tokens, pages, checkpoints, salt, pools))
+
+    def prepare_cached(self, tokens, salt=None, min_hits: int = 0) -> SaveJob | None:
+        """The write-through of a finished request: what the cache's tree holds along
+        `tokens` (every page still there, every checkpoint on the path). With
+        `min_hits`, the path stops at the first node accessed fewer times (selective
+        write-through: only what is reused goes down)."""
+        tree = self.cache.tree
+        key = encode(list(tokens))
+        root = tree.find_root(salt)
+        if root is None:
+            return None
+        nd, off, path = root, 0, []
+        while True:  # whole nodes along tokens; read-only (a match would split and touch)
+            ch = nd.children.get(key[off:off + tree.unit])
+            if ch is None or not key.startswith(ch.key, off) or ch.hits < min_hits:
+                break
+            path.append(ch)
+            off += len(ch.key)
+            nd = ch
+        if not path:
+            return None
+        pages, ckpts = {}, {}
+        for c in self.comps:
+            pages[c.name] = tree.path_pages(path, c.index)
+        if self.ckpt is not None:
+            ci = self.ckpt.index
+            for nd in path:
+                v = nd.value[ci]
+                if v is not None:
+                    ckpts[nd.end] = v[0]
+        return self.prepare_save(list(tokens)[:path[-1].end], pages, ckpts, salt)
+
+    def save_cached(self, tokens, salt=None, min_hits: int = 0) -> int:
+        """prepare_cached then commit, here and now. Returns the objects written."""
+        return self.commit(self.prepare_cached(tokens, salt, min_hits))
+
+    def prepare_host_node(self, nd) -> SaveJob | None:
+        """Write-back from the host tier: what node `nd` holds only on the host (its
+        pages, its checkpoint), read before the host lets go of it."""
+        tree = self.cache.tree
+        root = nd
+        while root.parent is not None:
+            root = root.parent
+        salt = tree.salt_of(root)
+        path = nd.path()
+        tokens = decode(b"".join(x.key for x in path))
+        P = self.P
+        pages, ckpts = {}, {}
+        for c in self.comps:
+            h = nd.host[c.index]
+            if h is not None and nd.value[c.index] is None:
+                pages[c.name] = _NEG * (nd.start // P) + h
+        if self.ckpt is not None:
+            h = nd.host[self.ckpt.index]
+            if h is not None and nd.value[self.ckpt.index] is None:
+                ckpts[nd.end] = h[0]
+        if not pages and not ckpts:
+            return None
+        return self.prepare_save(tokens, pages, ckpts, salt, pools=self.cache.host_pools)
+
+    def save_host_node(self, nd) -> int:
+        return self.commit(self.prepare_host_node(nd))
+
+    # ------------------------------------------------------------------ load
+    def load(self, tokens, b: int, pages: dict, state_slot: int | None = None, salt=None,
+             start: int = 0) -> bool:
+        """Read what a request resuming at b needs (FULL pages of [0, b), SWA pages of the
+        window before b, the MAMBA checkpoint at b) into the handles given in
+        `pages[name]` (one per page; only the window's entries are used for SWA) and
+        `state_slot`; pages below `start` (page-aligned: what the device already holds)
+        are skipped. All or nothing: a missing or bad object writes nothing and returns
+        False (bad ones are counted and deleted)."""
+        got = self.fetch(tokens, b, pages, state_slot, salt, start)
+        if got is None:
+            return False
+        self.apply(got)
+        return True
+
+    def prefetch(self, tokens, start: int, pages: dict, state_slot: int | None, salt=None,
+                 threshold: int = 1) -> "Fetched | None":
+        """The I/O half of a load, safe to run on a background thread: find the store's
+        hit and, when it passes `start` by at least `threshold` tokens, read and check
+        everything from `start` to it. Nothing is written to the pools (see apply)."""
+        keys = page_keys(tokens, self._ns(salt))  # hashed once for the hit and the read
+        h = self._hit(keys)
+        if h - start < max(threshold, 1):
+            return None
+        return self.fetch(tokens, h, pages, state_slot, salt, start, keys[:h // self.P])
+
+    def fetch(self, tokens, b: int, pages: dict, state_slot: int | None = None, salt=None,
+              start: int = 0, keys: list[str] | None = None) -> "Fetched | None":
+        """Read and check the objects `load` would write; None when one is missing or bad.
+        `keys`: the page keys of tokens[:b], when the caller has them."""
+        if b % self.P or start % self.P:
+            raise ValueError(f"boundary {b} and start {start} must be page-aligned ({self.P})")
+        self._count("loads")
+        ns = self._ns(salt)
+        seed = ns.seed()
+        if keys is None:
+            keys = page_keys(tokens[:b], ns)
+        if len(keys) * self.P != b:
+            raise ValueError(f"{len(tokens)} tokens cannot resume at {b}")
+        plan = []  # (pool or sidecar, handles, keys, is_sidecar)
+        for c in self.comps:
+            pool = self.cache.pools[c.index]
+            lo = max(c.window_start(b), start) // self.P
+            hs = list(pages[c.name][lo:b // self.P])
+            if len(hs) != b // self.P - lo or min(hs, default=0) < 0:
+                raise ValueError(f"{c.name}: need handles for pages [{lo}, {b // self.P})")
+            if not hs:
+                continue  # nothing of it to read at b (a window of one token reads none)
+            page_ks = keys[lo:]
+            plan.append((pool, hs, [self._key(k, c) for k in page_ks], False))
+            for sc, sks in self._sidecar_keys(pool, c, page_ks):
+                plan.append((sc, hs, sks, True))
+        if self.ckpt is not None and b > 0:
+            if state_slot is None:
+                raise ValueError("a model with recurrent layers needs a state slot to load into")
+            plan.append((self.cache.pools[self.ckpt.index], [state_slot],
+                         [component_key(keys[-1], self.ckpt.name)], False))
+        all_keys = [k for _, _, ks, _ in plan for k in ks]
+        data = self.backend.batch_get(all_keys)
+        blobs, bad, absent, i = [], [], [], 0
+        for target, _, ks, sidecar in plan:
+            n = sidecar_row_nbytes(target) if sidecar else handle_nbytes(target)
+            got = []
+            for k, d in zip(ks, data[i:i + len(ks)]):
+                try:
+                    x = unpack_object(d, k, seed, self.secret)
+                except CorruptObject as e:
+                    if e.kind == "absent":
+                        absent.append(k)
+                    else:
+                        bad.append((k, e))
+                    continue
+                if len(x) != n:  # a sound object from a differently shaped pool
+                    bad.append((k, CorruptObject(k, f"payload of {len(x)} bytes, the pool holds {n}")))
+                    continue
+                got.append(x)
+            blobs.append(got)
+            i += len(ks)
+        if bad or absent:
+            self._forget(absent)
+            self._drop(bad)
+            self._count("failed_loads")
+            return None
+        self._remember(all_keys)
+        return Fetched(b, start, plan, blobs, len(all_keys))
+
+    def _drop(self, bad: list) -> None:
+        """Objects found unusable at read time are counted and deleted at once: the
+        request computes what they held, and its write-through stores it afresh (a
+        write never replaces a key the store still has)."""
+        if not bad:
+            return
+        self._forget(k for k, _ in bad)
+        for k, e in bad:
+            self._count("unauthenticated" if e.kind == "unauthenticated" else "corrupt")
+            self._warn.failure("unusable objects deleted", "object %s is unusable (%s): deleted",
+                               k[:16], e.reason)
+            try:
+                if self.backend.delete(k):
+                    self._count("deleted")
+            except Exception as err:  # a store that refuses the delete keeps a bad object: a miss each time
+                self._count("errors")
+                self._warn.failure("failed deletes", "could not delete unusable object %s: %s", k[:16], err)
+
+    def apply(self, got: "Fetched") -> None:
+        """Write fetched data into the pools (on the thread that owns them)."""
+        for (target, hs, _, sidecar), bl in zip(got.plan, got.blobs):
+            (write_sidecar_rows if sidecar else write_handles)(target, hs, bl)
+        self.count_applied(got)
+
+    def count_applied(self, got: "Fetched") -> None:
+        """`got` was written to the pools (here, or through the host tier by the cache)."""
+        self._count("loaded_objects", got.objects)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[name] += n
+
+    def stats(self) -> dict:
+        return dict(self.counters, backend=self.backend.stats())
+
+    def close(self) -> None:
+        """Log the failures not yet reported."""
+        self._warn.flush()
