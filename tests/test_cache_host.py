@@ -10,18 +10,17 @@ Every test ends with an exact audit of both tiers: each allocated handle of each
 held exactly once (by the tree, or by a live request), and a flush gives all back."""
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
 
 from uniradix.cache import CacheFull, UnifiedRadixCache
+from uniradix.cache import audit as cache_audit  # the library audit, under a name this file keeps
 from uniradix.engine.build import build_cache
 from uniradix.memory import KVPool, MambaStatePool, SidecarPool, host_mirror
 from uniradix.model import preset
 from uniradix.tree import FullComponent, MambaComponent, RadixTree, SWAComponent, encode
 
-from test_cache import own_handles  # tests/: what a running request owns
 
 WINDOW = 8  # tokens: reuse reads the 7 before a boundary, two pages at page size 4, seven at 1
 LAYERS = {"full": [0, 3], "swa": [1], "mamba": [2]}
@@ -153,46 +152,12 @@ def serve(cache, tokens, gen=None, session=None):
 
 
 # --------------------------------------------------------------------------- audits
-def _tree_held(cache, host):
-    out = {n: Counter() for n in cache.names}
-    for nd in cache.tree.nodes():
-        assert nd.attached
-        assert nd.value[0] is not None or nd.host[0] is not None, f"{nd}: FULL in no tier"
-        for c in cache.tree.components:
-            v = (nd.host if host else nd.value)[c.index]
-            if v is not None:
-                out[c.name].update(v)
-    return out
-
-
-def own_host_handles(cache, req, name):
-    """Host pages a request holds itself (read from L3 through the host), if any."""
-    staged = getattr(req, "staged", None) or {}
-    ci = cache.tree.index[name]
-    if cache.ckpt is not None and ci == cache.ckpt.index:
-        return list(staged.get(-1, ()))
-    return [h for _, h in staged.get(ci, {}).values()]
-
-
 def audit(cache, live=()):
-    """DESIGN §3 'accounting is exact', both tiers: every allocated device handle is
-    held exactly once by the tree or a live request, every allocated host handle exactly
-    once by the tree (or a live request), and the tree's counts agree."""
-    tree = cache.tree
-    dev, host = _tree_held(cache, False), _tree_held(cache, True)
-    for c, p, hp in zip(tree.components, cache.pools, cache.host_pools):
-        assert tree.host_size[c.index] == sum(host[c.name].values())
-        held = Counter(dev[c.name])
-        for req in live:
-            held.update(own_handles(cache, req, c.name))
-            host[c.name].update(own_host_handles(cache, req, c.name))
-        dup = [h for h, k in held.items() if k > 1]
-        assert not dup, f"{c.name}: device handles owned twice: {dup[:10]}"
-        assert sorted(held) == sorted(p.allocator.allocated()), f"{c.name}: allocated != owned (leak/double free)"
-        assert tree.size[c.index] == sum(dev[c.name].values())
-        hdup = [h for h, k in host[c.name].items() if k > 1]
-        assert not hdup, f"host {c.name}: handles held twice: {hdup[:10]}"
-        assert sorted(host[c.name]) == sorted(hp.allocator.allocated()), f"host {c.name}: allocated != held"
+    """DESIGN §3 'accounting is exact', both tiers, by the library's audit: every
+    allocated device and host handle is held exactly once, by the tree or a live request
+    (its own pages and slots, the host pages it read from L3), and the tree's counts
+    agree."""
+    cache_audit(cache, live)
 
 
 def flush_all(cache):

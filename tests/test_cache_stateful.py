@@ -11,13 +11,12 @@ are the tree's, and must still be there, locked.
 from __future__ import annotations
 
 import sys
-from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from uniradix.cache import CacheFull, UnifiedRadixCache
+from uniradix.cache import audit, CacheFull, UnifiedRadixCache
 from uniradix.memory import KVPool, MambaStatePool
 from uniradix.tree import FullComponent, MambaComponent, RadixTree, SWAComponent, decode
 
@@ -261,33 +260,15 @@ class CacheMachine(RuleBasedStateMachine):
         if self.cache is None:
             return
         P = self.P
+        audit(self.cache, self.live)  # every handle owned once, counts and locks exact
         held, nodes = tree_handles(self.tree)
-        own = ([], [], [])
         for req in self.live:
             assert req.held and not req.receipt.released
-            b = req.prefix_len // P
-            for ci, name in ((FULL, "full"), (SWA, "swa")):
+            for name in ("full", "swa"):
                 pages = req.pages[name]
                 assert len(pages) == -(-req.allocated // P), f"{name} pages do not cover the request"
-                own[ci].extend(h for h in pages[b:] if h >= 0)
-            own[MAMBA].extend(req.checkpoints.values())
-            if req.state_slot is not None:
-                own[MAMBA].append(req.state_slot)
-        for ci, name in enumerate(NAMES):
-            alloc = self.pools[ci].allocator
-            alloc.check()
-            cnt = Counter(held[ci])
-            cnt.update(own[ci])
-            twice = sorted(h for h, c in cnt.items() if c > 1)
-            assert not twice, f"{name}: handles owned twice (tree/request): {twice}"
-            allocated = set(alloc.allocated())
-            leaked = sorted(allocated - set(cnt))
-            assert not leaked, f"{name}: allocated but owned by nobody (leak): {leaked}"
-            stray = sorted(set(cnt) - allocated)
-            assert not stray, f"{name}: held by tree/request but free in the pool: {stray}"
-            assert self.tree.size[ci] == len(held[ci])
-            locked = sum(len(x.value[ci]) for x in nodes if x.locks[ci] and x.value[ci] is not None)
-            assert self.tree.locked[ci] == locked, f"{name}: tree.locked {self.tree.locked[ci]} != {locked}"
+        for ci in range(3):
+            self.pools[ci].allocator.check()
         # a live request's FULL pages below prefix_len are the tree's, and pinned
         tree_full = set(held[FULL])
         locked_full = {h for x in nodes if x.locks[FULL] for h in x.value[FULL]}

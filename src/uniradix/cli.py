@@ -107,13 +107,14 @@ def _print_rounds(reports) -> None:
 
 def _print_engine(engine, a) -> None:
     s = engine.stats()
-    ev = s["cache"]["components"]["full"]["evicted"]
+    first = engine.cache.tree.structural.name  # the component that shapes the tree (FULL)
+    ev = s["cache"]["components"][first]["evicted"]
     print(f"hit rate = cached prefix tokens / prompt tokens of the requests served, summed per round; "
           f"input tok/s counts cached tokens too.\nengine: {s['prefill_tokens']} prefill and {s['decode_tokens']} decode "
           f"tokens computed, {s['preemptions']} preemptions, {ev} FULL pages evicted, {s['errors']} errors")
     if engine.hierarchical:
         h = s["cache"]["host"]
-        full = s["cache"]["components"]["full"]
+        full = s["cache"]["components"][first]
         print(f"L2 (host, {full['host_pool_size']} FULL pages): {s['host_tokens']} prompt tokens loaded back "
               f"in {h['loads']} loads ({h['failed_loads']} could not fit), {h['written_handles'] + h['written_back']} "
               f"handles written ({a.hicache_write_policy}), {full['offloaded']} FULL pages left the device "

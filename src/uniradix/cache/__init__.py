@@ -2,8 +2,8 @@
 state (`RequestState`), where handles change hands (`Ledger`: alloc-with-evict and the
 only place they are freed), and the audit every test runs (`audit`)."""
 from .audit import AuditError, audit
-from .cache import WRITE_POLICIES, UnifiedRadixCache
+from .cache import UnifiedRadixCache
 from .handles import CacheFull, Ledger
 from .request import RequestState
 
-__all__ = ["UnifiedRadixCache", "RequestState", "CacheFull", "Ledger", "audit", "AuditError", "WRITE_POLICIES"]
+__all__ = ["UnifiedRadixCache", "RequestState", "CacheFull", "Ledger", "audit", "AuditError"]

@@ -34,6 +34,8 @@ def audit(cache, states=(), *, settled: bool = False) -> None:
         gone = set(reads[ci]) - set(h)
         _require(not gone, f"{name}: tree pages a running request reads were evicted: {sorted(gone)[:10]}")
         _require(tree.size[ci] == sum(h.values()), f"{name}: tree.size {tree.size[ci]} != {sum(h.values())} held")
+        locked = sum(len(nd.value[ci]) for nd in tree.nodes() if nd.locks[ci] and nd.value[ci] is not None)
+        _require(tree.locked[ci] == locked, f"{name}: tree.locked {tree.locked[ci]} != {locked} on locked nodes")
     if cache.host is not None:
         _audit_host(cache, states)
     if settled:
@@ -50,9 +52,10 @@ def _require(ok: bool, what: str) -> None:
 
 def _tree_handles(tree, host: bool) -> list[Counter]:
     out = [Counter() for _ in range(tree.nc)]
+    s = tree.structural.index
     for nd in tree.nodes():
         _require(nd.attached, f"{nd} is listed but detached")
-        _require(nd.value[0] is not None or nd.host[0] is not None, f"{nd}: FULL in no tier")
+        _require(nd.value[s] is not None or nd.host[s] is not None, f"{nd}: {tree.names[s]} in no tier")
         tier = nd.host if host else nd.value
         for ci in range(tree.nc):
             if tier[ci] is not None:
@@ -71,7 +74,8 @@ def _request_handles(cache, states):
         cut = st.prefix_len // P
         for c in cache.page_comps:
             pages = st.pages.get(c.name, ())
-            reads[c.index].update(h for h in pages[:cut] if h >= 0)
+            lo = c.window_start(st.prefix_len) // P  # what its lock pins: all of FULL, a window
+            reads[c.index].update(h for h in pages[lo:cut] if h >= 0)
             own[c.index].update(h for h in pages[cut:] if h >= 0)
         if cache.ckpt is not None:
             ci = cache.ckpt.index

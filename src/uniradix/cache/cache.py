@@ -9,35 +9,35 @@ from __future__ import annotations
 
 from array import array
 
-from ..hicache.l2 import HostTier, Staged
+from ..config import HostTierConfig
+from ..hicache.l2 import HostTier
 from ..hicache.transfer import CopyJob
-from ..tree import LockReceipt, RadixTree, encode
-from ..tree.component import page_floor
-from ..tree.keys import check_priority, check_session_id, salt_key
+from ..tree import RadixTree, encode
+from ..tree.keys import check_priority, salt_key
+from .finishing import Finishing
 from .handles import CacheFull, Ledger
 from .request import RequestState
+from .running import Running
 
 _NEG = array("i", (-1,))
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+_HOST = HostTierConfig()  # the defaults, declared once in config
 
 
-class UnifiedRadixCache:
+class UnifiedRadixCache(Running, Finishing):
     """tree: a RadixTree over the model's components; pools: per component name, an
     object with alloc(n) -> array('i'), free(handles) and `available` (and copy_slot for
     a checkpoint component; without it, as with accounting-only allocators, nothing is
     copied). host_pools: the host tier's mirrors by name (L2), or None."""
 
     def __init__(self, tree: RadixTree, pools: dict, copy_checkpoints: bool = True,
-                 host_pools: dict | None = None, write_policy: str = "write_through",
-                 write_through_threshold: int = 2):
+                 host_pools: dict | None = None, write_policy: str = _HOST.hicache_write_policy,
+                 write_through_threshold: int = _HOST.write_through_threshold):
         missing = [n for n in tree.names if n not in pools]
         if missing:
             raise ValueError(f"no pool for component(s) {missing}")
-        if write_policy not in WRITE_POLICIES:
-            raise ValueError(f"unknown write policy {write_policy!r}; choose one of {', '.join(WRITE_POLICIES)}")
-        if type(write_through_threshold) is not int or write_through_threshold < 1:
-            raise ValueError(f"write_through_threshold must be an int >= 1, got {write_through_threshold!r}")
+        settings = HostTierConfig(hicache_write_policy=write_policy,  # checked where they are declared
+                                  write_through_threshold=write_through_threshold)
         self.tree = tree
         self.page_size = tree.page_size
         self.comps = tree.components
@@ -56,7 +56,7 @@ class UnifiedRadixCache:
             self._one_slot[self.ckpt.index] = 1
         self.requests = self.prompt_tokens = self.hit_tokens = 0
         self.write_policy = write_policy
-        self.write_min_hits = write_through_threshold if write_policy == "write_through_selective" else 0
+        self.write_min_hits = settings.write_min_hits
         self.host = None
         if host_pools is not None:
             missing = [n for n in tree.names if n not in host_pools]
@@ -196,192 +196,8 @@ class UnifiedRadixCache:
             self.pools[self.ckpt.index].zero_slots([state.state_slot])
 
     # ------------------------------------------------------------------ a request runs
-    def alloc_request(self, req: RequestState, upto: int | None = None) -> None:
-        """Allocate the request's own pages so they cover its first `upto` tokens (all by default)."""
-        n = req.allocated if upto is None else upto
-        want = -(-n // self.page_size)
-        pages, need = req.pages, None
-        for c in self.page_comps:
-            k = want - len(pages[c.name])
-            if k > 0:
-                if need is None:
-                    need = [0] * len(self.pools)
-                need[c.index] = k
-        if need is None:
-            return
-        got = self.ledger.alloc(need)
-        for c in self.page_comps:
-            h = got[c.index]
-            if h is not None:
-                pages[c.name] += h
-
-    def append_tokens(self, req: RequestState, tokens) -> None:
-        """Decode: extend the request by `tokens` and allocate their pages; on CacheFull
-        the request is unchanged."""
-        more = tokens if isinstance(tokens, bytes) else encode(tokens)
-        self.alloc_request(req, (len(req.key) + len(more)) >> 2)  # CacheFull leaves req as it was
-        req.key += more
-
-    def add_checkpoint(self, req: RequestState, pos: int) -> int:
-        """A request-owned slot to capture the recurrent state at `pos` into; it goes to
-        the tree with the request (the junction checkpoint, say)."""
-        if self.ckpt is None:
-            raise ValueError("this cache has no checkpoint component")
-        if pos % self.page_size:
-            raise ValueError(f"checkpoint position {pos} is not page-aligned ({self.page_size})")
-        if pos in req.checkpoints:
-            return req.checkpoints[pos]
-        slot = self.ledger.alloc(self._one_slot)[self.ckpt.index][0]
-        req.checkpoints[pos] = slot
-        return slot
-
-    def release_out_of_window(self, req: RequestState, upto: int | None = None) -> int:
-        """Free the request's own windowed pages that fell out of the window, except the
-        windows at its junction and resume points; returns how many were freed. The
-        window kept is the one ending at the page-aligned end (what the tree will cache),
-        which also covers the window that decoding still reads. `upto` (default: all it
-        allocated) is how far the request has computed, for a chunked prefill whose later
-        chunks still read the window before them."""
-        P = self.page_size
-        end = page_floor(req.allocated if upto is None else min(upto, req.allocated), P)
-        freed, mark = 0, None
-        for c in self.windowed:
-            stop = c.window_start(end) // P
-            kept = [(c.window_start(j) // P, j // P) for j in (req.junction, *req.resume_points)]
-            freed += self._free_own(req, c, max(req.window_freed, req.prefix_len // P), stop, kept)
-            mark = stop if mark is None else min(mark, stop)
-        if mark is not None and mark > req.window_freed:
-            req.window_freed = mark
-        return freed
-
-    def resumed_from(self, req: RequestState, upto: int) -> int:
-        """The request's own pages and state were filled from another tier up to `upto`
-        (page-aligned, past its prefix): it now resumes there. Its own windowed pages
-        below the window before `upto` hold nothing and are freed (no junction window
-        is kept for them); returns how many were freed."""
-        P = self.page_size
-        if upto % P or upto < req.prefix_len or upto > req.allocated:
-            raise ValueError(f"cannot resume at {upto}: prefix {req.prefix_len}, {req.allocated} tokens, page {P}")
-        freed = sum(self._free_own(req, c, req.prefix_len // P, c.window_start(upto) // P, ())
-                    for c in self.windowed)
-        req.reused = req.computed = upto
-        return freed
-
-    def _free_own(self, req: RequestState, c, start: int, stop: int, kept) -> int:
-        """Free the request's present pages of component c in pages [start, stop), except
-        those inside a kept (lo, hi) page range; they become -1."""
-        pages = req.pages[c.name]
-        out = array("i")
-        for p in range(start, min(stop, len(pages))):
-            h = pages[p]
-            if h >= 0 and not any(lo <= p < hi for lo, hi in kept):
-                out.append(h)
-                pages[p] = -1
-        self.ledger.free_device(c.index, out)
-        return len(out)
-
-    def stage_fetched(self, req: RequestState, fetched) -> bool:
-        """Land data read from L3 in the host tier and load it into the request's pages
-        layer by layer (see HostTier.stage); False without a host tier or room."""
-        if self.host is None:
-            return False
-        if req.staged is None:
-            req.staged = Staged()
-        return self.host.stage(req.staged, fetched, fetched.b)
 
     # ------------------------------------------------------------------ a request ends
-    def cache_unfinished(self, req: RequestState, checkpoints: dict[int, int] | None = None) -> None:
-        """Insert what the running request has so far; it keeps going on the tree's copy."""
-        if checkpoints:
-            req.checkpoints.update(checkpoints)
-        old = req.receipt
-        req.node, req.receipt = self._insert(req, finished=False)
-        self._unlock(old)
-
-    def cache_finished(self, req: RequestState, session_id=None) -> object:
-        """Insert the finished request, free what the tree did not keep, release its
-        lock; with a session id, reference what the next turn will reuse. Returns the
-        node the request ends at."""
-        check_session_id(session_id)  # before the insert: a bad id changes nothing
-        node, _ = self._insert(req, finished=True)
-        self._unlock(req.receipt)
-        req.receipt, req.held = None, False
-        if session_id is not None and node.parent is not None:
-            self.tree.register_session(session_id, node)
-        if self.host is not None:
-            if req.staged is not None:
-                self.host.adopt(req.staged, node)  # writes through the rest too
-                req.staged = None
-            elif node.parent is not None:
-                self.host.write_through(node)
-        return node
-
-    def release(self, req: RequestState) -> None:
-        """Abort: free everything the request owns and unlock, caching nothing."""
-        if self.host is not None:
-            self.host.sync()  # a load may still be writing its state slot
-            if req.staged is not None:
-                self.host.adopt(req.staged, None)
-                req.staged = None
-        P = self.page_size
-        for c in self.page_comps:
-            own = req.pages[c.name][req.prefix_len // P:]
-            self.ledger.free_device(c.index, array("i", (h for h in own if h >= 0)))
-        if self.ckpt is not None:
-            slots = list(req.checkpoints.values())
-            if req.state_slot is not None:
-                slots.append(req.state_slot)
-            self.ledger.free_device(self.ckpt.index, slots)
-        req.checkpoints = {}
-        req.state_slot = None
-        self._unlock(req.receipt)
-        req.receipt, req.held = None, False
-
-    def _unlock(self, rc: LockReceipt) -> None:
-        self.ledger.free(self.tree.unlock(rc))
-
-    def _insert(self, req: RequestState, finished: bool):
-        P = self.page_size
-        n = page_floor(req.allocated, P)
-        npages = n // P
-        values = {}
-        for c in self.page_comps:
-            pages = req.pages[c.name]
-            if len(pages) < npages:
-                raise ValueError(f"request has {len(pages)} {c.name} pages, needs {npages}: call alloc_request first")
-            values[c.name] = pages[:npages] if len(pages) > npages else pages
-        if self.ckpt is not None:
-            values[self.ckpt.name] = self._checkpoints_to_insert(req, n, finished)
-        points = (req.junction, *req.resume_points) if req.resume_points else req.junction
-        r = self.tree.insert(req.key, values, req.prefix_len, points, req.salt, req.priority, not finished)
-        self.ledger.free(r.free)
-        node = r.node
-        req.prefix_len = n
-        if finished:
-            for c in self.page_comps:
-                pages = req.pages[c.name]
-                if len(pages) > npages:  # the unaligned tail is not cached
-                    self.ledger.free_device(c.index, array("i", (h for h in pages[npages:] if h >= 0)))
-            req.pages = {}
-            return node, r.receipt
-        # the tree now owns [0, n): the request goes on with the tree's handles
-        path = node.path()
-        for c in self.page_comps:
-            req.pages[c.name] = self.tree.path_pages(path, c.index) + req.pages[c.name][npages:]
-        return node, r.receipt
-
-    def _checkpoints_to_insert(self, req: RequestState, n: int, finished: bool) -> dict:
-        """The request's checkpoints, and its own state slot at the cached end when the
-        state is there (positions that cannot take one come back from the tree freed)."""
-        ck, req.checkpoints = req.checkpoints, {}
-        slot = req.state_slot
-        if finished and slot is not None:
-            req.state_slot = None
-            if req.computed == n and n not in ck:
-                ck[n] = slot
-            else:  # the state is not at the cached end: nothing to keep it for
-                self.ledger.free_device(self.ckpt.index, (slot,))
-        return ck
 
     # ------------------------------------------------------------------ the host tier's loads
     def wait_layer(self, layer_id: int) -> None:
@@ -407,12 +223,15 @@ class UnifiedRadixCache:
         if any(tree.locked) or any(tree.host_locked):
             return False
         self.sync_loads()
-        rest = [0] * (len(self.pools) - 1)
+        s = tree.structural.index  # evicting all of it takes every node with it
         while True:  # host-only parents can go only once their children have gone, and back
             n = tree.num_nodes
+            want = [0] * len(self.pools)
             if self.host is not None:
-                self.ledger.free(tree.evict_counts([tree.host_size[0] + 1] + rest, host=True))
-            self.ledger.free(tree.evict_counts([tree.size[0] + 1] + rest))
+                want[s] = tree.host_size[s] + 1
+                self.ledger.free(tree.evict_counts(want, host=True))
+            want[s] = tree.size[s] + 1
+            self.ledger.free(tree.evict_counts(want))
             if not tree.num_nodes or tree.num_nodes == n:
                 break
         for sid in list(tree.sessions):

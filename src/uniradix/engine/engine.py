@@ -19,18 +19,18 @@ from dataclasses import replace
 
 import torch
 
-from ..cache import CacheFull, RequestState, audit
+from ..cache import RequestState, audit
 from ..config import EngineConfig
-from ..model import ByteTokenizer, HybridConfig, PagedInput, init_weights, load_weights, paged_forward, preset
-from ..tree.component import page_floor
+from ..model import ByteTokenizer, HybridConfig, init_weights, load_weights, preset
+from .admission import Admission
+from .batching import Batching
 from .build import build_cache
 from .request import Request, SamplingParams
-from .sampling import sample
 
 log = logging.getLogger("uniradix.engine")
 
 
-class Engine:
+class Engine(Admission, Batching):
     """The reference hybrid model behind a UnifiedRadixCache.
 
     `config`: an EngineConfig, or its settings by name (SGLang's flag names:
@@ -210,225 +210,11 @@ class Engine:
                     self._abort(st, e, done)
         return done
 
-    def _forward(self, batch: list, done: list[Request]) -> list:
-        """Logits per batch entry. When the batched forward fails, each request runs alone
-        so that only the one that fails is aborted (None in its place); the forward
-        commits recurrent state only once it has run every layer, so a failed attempt
-        leaves no request's state advanced."""
-        cache = self.cache
-        wait = cache.wait_layer if cache.pending_loads else None  # host loads still copying
-        try:
-            logits = paged_forward(self.cfg, self.weights, self.pools, [inp for _, inp in batch], wait_layer=wait)
-        except Exception as e:
-            if len(batch) == 1:
-                logits = [None]
-                self._abort(batch[0][0], e, done)
-            else:
-                logits = [self._forward_alone(st, inp, wait, done) for st, inp in batch]
-        if wait is not None:
-            cache.sync_loads()
-        return logits
-
-    def _forward_alone(self, st: RequestState, inp: PagedInput, wait, done: list[Request]):
-        try:
-            return paged_forward(self.cfg, self.weights, self.pools, [inp], wait_layer=wait)[0]
-        except Exception as e:
-            self._abort(st, e, done)
-            return None
-
     # ------------------------------------------------------------------ admission
-    def _admit(self, done: list[Request]) -> None:
-        while self.waiting and len(self.running) + len(self.prefetching) < self.max_running:
-            st = self.waiting[0]
-            req = st.owner
-            try:
-                self._match(st)
-            except CacheFull as e:
-                if self.running or self.prefetching:
-                    return  # it waits for admitted requests to free their pages
-                self.waiting.popleft()
-                self._fail(req, f"request {req.rid} can never fit: {e}")
-                done.append(req)
-                continue
-            except Exception as e:
-                self._abort(st, e, done)
-                continue
-            self.waiting.popleft()
-            try:
-                self.cache.zero_state(st)  # nothing to resume: the state starts from zeros
-                if self.storage is not None and self.use_cache and self.storage.worth_reading(st):
-                    self.storage.prefetch(st)
-                    if req.status == "waiting":
-                        req.status = "prefetching"
-                    continue
-                self._start(st, st.prefix_len)
-            except Exception as e:
-                self._abort(st, e, done)
-
-    def _match(self, st: RequestState) -> None:
-        """Match all but the last token, so at least one is computed and gives the
-        logits to sample from, and allocate pages for all of them; all or nothing."""
-        st.prompt_len = len(st.tokens)
-        self.cache.match_prefix(st.tokens[:-1], st.salt, st.priority, alloc=True, state=st)
-        try:
-            self.cache.alloc_request(st, len(st.tokens))
-        except CacheFull:
-            self.cache.release(st)
-            raise
-
-    def _start_prefetched(self, done: list[Request]) -> None:
-        for st, b in self.storage.poll():
-            try:
-                if isinstance(b, BaseException):
-                    raise b
-                self._start(st, b)
-            except Exception as e:
-                self._abort(st, e, done)
-
-    def _start(self, st: RequestState, b: int) -> None:
-        """The request resumes at b (its device boundary, or deeper from L3): running."""
-        req = st.owner
-        st.computed = b
-        if req.status in ("waiting", "prefetching"):  # first admission, not a preempted one
-            m = req.metrics
-            m.cached_tokens, m.host_tokens, m.storage_tokens = b, st.host_tokens, b - st.prefix_len
-            self.counters["host_tokens"] += st.host_tokens
-            self.counters["cached_tokens"] += b
-            self.counters["prompt_tokens"] += len(st.tokens)
-        req.status = "running"
-        P = self.page_size
-        # the same prompt sent again matches all but its last token: it resumes here
-        end = page_floor(st.prompt_len - 1, P)
-        if end > b and (self.keeps_windows or self.captures):
-            st.resume_points.append(end)
-        if self.captures:
-            for pos in {page_floor(st.junction, P), end}:
-                if pos > b:
-                    self._checkpoint(st, pos)
-        self.running.append(st)
-
-    def _checkpoint(self, st: RequestState, pos: int) -> int | None:
-        """A slot to capture the state at pos; skipped (None) when the pool is short,
-        since a checkpoint only saves later work."""
-        try:
-            return self.cache.add_checkpoint(st, pos)
-        except CacheFull:
-            self.counters["checkpoints_skipped"] += 1
-            return None
 
     # ------------------------------------------------------------------ scheduling
-    def _schedule(self, done: list[Request]) -> list[tuple[RequestState, PagedInput]]:
-        budget = self.chunk
-        batch = []
-        for st in list(self.running):
-            if st not in self.running:
-                continue  # preempted to make room for an earlier one
-            n = len(st.tokens) - st.computed
-            if n > 1:  # prefill, within the step's token budget
-                n = min(n, budget)
-                if n == 0:
-                    continue
-                budget -= n
-            try:
-                if n == 1 and not self._grow(st, done):
-                    continue
-                batch.append((st, self._input(st, n)))
-            except Exception as e:
-                self._abort(st, e, done)
-        return batch
-
-    def _grow(self, st: RequestState, done: list[Request]) -> bool:
-        """Pages for the token a decoding request is about to compute. On a shortfall the
-        newest decoding request is preempted (its work is cached, it re-queues at the
-        front) until this one fits; False when this one was preempted itself."""
-        while True:
-            try:
-                if st.allocated < len(st.tokens):
-                    self.cache.append_tokens(st, st.tokens[st.allocated:])
-                return True
-            except CacheFull:
-                victim = next((s for s in reversed(self.running) if s.allocated <= s.computed), st)
-                if victim is st and len(self.running) == 1 and not self.prefetching:
-                    self.running.remove(st)
-                    self.cache.release(st)
-                    self._fail(st.owner, f"request {st.owner.rid} can never fit: the pools cannot "
-                                         f"hold {len(st.tokens)} tokens")
-                    done.append(st.owner)
-                    return False
-                self._preempt(victim, done)
-                if victim is st:
-                    return False
-
-    def _preempt(self, st: RequestState, done: list[Request]) -> None:
-        self.running.remove(st)
-        try:
-            self._store(st)
-        except Exception as e:
-            self._abort(st, e, done)
-            return
-        st.clear()
-        st.owner.status = "preempted"
-        st.owner.metrics.preemptions += 1
-        self.counters["preemptions"] += 1
-        self.waiting.appendleft(st)
-
-    def _input(self, st: RequestState, n: int) -> PagedInput:
-        s, e, P = st.computed, st.computed + n, self.page_size
-        if self.captures and P > 1 and e >= st.prompt_len and e % P == 0 and e not in st.checkpoints:
-            # the rolling decode checkpoint moves to each page boundary it passes
-            if st.rolling is not None:
-                st.checkpoints[e] = st.checkpoints.pop(st.rolling)
-                st.rolling = e
-            elif self._checkpoint(st, e) is not None:
-                st.rolling = e
-        return PagedInput(st.tokens[s:e], s, st.pages, st.state_slot, st.captures(s, e))
 
     # ------------------------------------------------------------------ after the forward
-    def _advance(self, st: RequestState, inp: PagedInput, logits: torch.Tensor, done: list[Request]) -> None:
-        req = st.owner
-        n = len(inp.tokens)
-        prefill = min(st.computed + n, st.prompt_len) - min(st.computed, st.prompt_len)
-        req.metrics.computed_tokens += prefill
-        self.counters["prefill_tokens"] += prefill
-        self.counters["decode_tokens"] += n - prefill
-        st.computed += n
-        if self.cache.windowed:
-            self.cache.release_out_of_window(st, st.computed)
-        if st.computed < len(st.tokens):
-            return
-        row = logits[-1]
-        if req.record_logits:
-            req.logits.append(row.detach().to("cpu", copy=True))
-        tok = sample(row, req.sampling, st.rng)
-        now = time.perf_counter()
-        if req.metrics.first_token is None:
-            req.metrics.first_token = now
-        req.output_ids.append(tok)
-        st.tokens.append(tok)
-        req.metrics.output_tokens = len(req.output_ids)
-        if tok in req.sampling.stop_ids:
-            req.finish_reason = "stop"
-        elif len(req.output_ids) >= req.sampling.max_new_tokens:
-            req.finish_reason = "length"
-        else:
-            return
-        self.running.remove(st)
-        self._store(st, req.session_id)
-        req.status = "finished"
-        req.metrics.finished = now
-        self.counters["finished"] += 1
-        done.append(req)
-
-    def _store(self, st: RequestState, session_id=None) -> None:
-        """Hand the request's computed tokens to the tree (or free them with the cache off)."""
-        if not self.use_cache:
-            self.cache.release(st)
-            return
-        if st.allocated < st.computed:  # their pages are there: no allocation
-            self.cache.append_tokens(st, st.tokens[st.allocated:st.computed])
-        self.cache.cache_finished(st, session_id)
-        if self.storage is not None:
-            self.storage.write_through(st)
 
     # ------------------------------------------------------------------ admin
     def flush_writes(self) -> None:

@@ -47,7 +47,7 @@ class StorageNamespace:
         if isinstance(cfg, str):
             return cls(cfg, page_size, rank, salt, weights)
         fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
-        return cls(json.dumps(fields, sort_keys=True), page_size, rank, salt, weights)
+        return cls(json.dumps(fields, sort_keys=True, default=repr), page_size, rank, salt, weights)
 
     def with_salt(self, salt) -> "StorageNamespace":
         """This namespace for a request's salt (everything else kept, the weights too)."""

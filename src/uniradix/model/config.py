@@ -12,16 +12,19 @@ from ..specs import (FullKV, KVShape, LayerState, ModelStates, RecurrentShape, R
                           SlidingWindowKV, StateSpec, group_layers)
 
 LAYER_KINDS = {"F": "full attention", "S": "sliding-window attention", "M": "recurrent (gated delta)",
+               "H": "full attention and recurrent side by side (keeps KV and a state)",
                "-": "MLP only (keeps no cache)"}
 FULL = FullKV()
 
 
 @dataclass(frozen=True)
 class HybridConfig:
-    """pattern: one letter per layer (F, S, M, -). Attention uses grouped-query heads and
-    RoPE; S attends to the last `window` tokens; M is a short causal depthwise conv
+    """pattern: one letter per layer (F, S, M, H, -). Attention uses grouped-query heads
+    and RoPE; S attends to the last `window` tokens; M is a short causal depthwise conv
     (kernel `conv_kernel`, its own state) feeding a per-head recurrent state of
-    `state_dim` x `head_dim`, updated per token; - has no mixer (MLP only).
+    `state_dim` x `head_dim`, updated per token; H runs full attention and the recurrent
+    mixer side by side and adds both (as Falcon-H1's hybrid layers do); - has no mixer
+    (MLP only).
 
     `kinds` adds layer kinds: ((letter, spec), ...), an attention layer reading the KV a
     KV spec describes (a second window, say) or a recurrent layer keeping a recurrent
@@ -65,34 +68,35 @@ class HybridConfig:
         """Indices of the layers of one kind."""
         return [i for i, k in enumerate(self.pattern) if k == kind]
 
-    def spec(self, kind: str) -> StateSpec | None:
-        """The state a layer of this kind keeps (None: nothing)."""
+    def specs(self, kind: str) -> tuple:
+        """The states a layer of this kind keeps: its attention's KV spec and/or its
+        recurrent mixer's state spec (none for an MLP-only layer)."""
         if kind == "F":
-            return FULL
+            return (FULL,)
         if kind == "S":
-            return SlidingWindowKV(self.window)
+            return (SlidingWindowKV(self.window),)
         if kind == "M":
-            return RecurrentState()
-        return dict(self.kinds).get(kind)
+            return (RecurrentState(),)
+        if kind == "H":
+            return (FULL, RecurrentState())
+        spec = dict(self.kinds).get(kind)
+        return () if spec is None else (spec,)
 
-    def mixer(self, kind: str) -> str:
-        """"attention", "recurrent" or "mlp": what a layer of this kind computes."""
-        spec = self.spec(kind)
-        if spec is None:
-            return "mlp"
-        return "recurrent" if spec.checkpoint else "attention"
+    def attention(self, kind: str) -> StateSpec | None:
+        """The KV spec a layer of this kind attends over (None: no attention)."""
+        return next((s for s in self.specs(kind) if not s.checkpoint), None)
+
+    def recurrent(self, kind: str) -> StateSpec | None:
+        """The state spec of its recurrent mixer (None: no recurrent mixer)."""
+        return next((s for s in self.specs(kind) if s.checkpoint), None)
 
     def layer_states(self) -> list[LayerState]:
         """What each layer keeps, in layer order: the model's layer list."""
         kv = KVShape(self.n_kv_heads, self.head_dim, self.dtype)
         rec = RecurrentShape((self.n_heads * self.head_dim, self.conv_kernel - 1),
                              (self.n_heads, self.state_dim, self.head_dim), self.dtype, self.dtype)
-        out = []
-        for i, kind in enumerate(self.pattern):
-            spec = self.spec(kind)
-            if spec is not None:
-                out.append(LayerState(i, spec, rec if spec.checkpoint else kv))
-        return out
+        return [LayerState(i, spec, rec if spec.checkpoint else kv)
+                for i, kind in enumerate(self.pattern) for spec in self.specs(kind)]
 
     def states(self) -> ModelStates:
         """The model's components (FULL first) with the layers that keep each."""

@@ -77,45 +77,33 @@ def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[Pa
     for n in lens:
         bounds.append(bounds[-1] + n)
     N = bounds[-1]
-    H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    specs = [cfg.spec(kind) for kind in cfg.pattern]
+    H, hd = cfg.n_heads, cfg.head_dim
+    layers = [(cfg.attention(kind), cfg.recurrent(kind)) for kind in cfg.pattern]
     spans = {}  # per KV component: where each request's keys live
-    for spec in specs:
-        if spec is not None and not spec.checkpoint and spec.name not in spans:
+    for spec, _ in layers:
+        if spec is not None and spec.name not in spans:
             P = pools[spec.name].page_size
             # from the first key the first new token reads (the same rule the tree resumes by)
             spans[spec.name] = [_Span(i.pages[spec.name], P, max(0, spec.first_key(i.start)), i.start, i.end,
                                       device) for i in inputs]
     x = weights["embed"][ids]
     commits: list = []  # recurrent states, written to their slots once every layer has run
-    for layer, (spec, lw) in enumerate(zip(specs, weights["layers"])):
+    for layer, ((attn, rec), lw) in enumerate(zip(layers, weights["layers"])):
         if wait_layer is not None:
             wait_layer(layer)
-        if spec is None:  # MLP only
-            pass
-        elif not spec.checkpoint:
+        if attn is not None or rec is not None:  # else MLP only
             h = rms_norm(x, lw["norm1"], cfg.norm_eps)
-            q = rope((h @ lw["wq"]).view(N, H, hd), pos, cfg.rope_theta)
-            k = rope((h @ lw["wk"]).view(N, KV, hd), pos, cfg.rope_theta)
-            v = (h @ lw["wv"]).view(N, KV, hd)
-            pool = pools[spec.name]
-            kp, vp = pool.k(layer), pool.v(layer)
-            out = torch.empty_like(q)
-            for r, sp in enumerate(spans[spec.name]):
-                a, b = bounds[r], bounds[r + 1]
-                kp[sp.w_page, sp.w_off] = k[a:b]
-                vp[sp.w_page, sp.w_off] = v[a:b]
-                n = b - a + inputs[r].start - sp.lo
-                keys = kp[sp.idx].flatten(0, 1)[sp.off:sp.off + n]
-                vals = vp[sp.idx].flatten(0, 1)[sp.off:sp.off + n]
-                out[a:b] = attend(q[a:b], keys, vals, pos[a:b], sp.k_pos, spec.window)
-            x = x + out.reshape(N, H * hd) @ lw["wo"]
-        else:
-            h = rms_norm(x, lw["norm1"], cfg.norm_eps)
-            mp = pools[spec.name]
-            outs = [_recurrent(cfg, lw, mp, layer, h[bounds[r]:bounds[r + 1]], inp, commits)
-                    for r, inp in enumerate(inputs)]
-            x = x + torch.cat(outs)
+            delta = 0
+            if attn is not None:
+                out = _attention(cfg, lw, pools[attn.name], layer, h, pos, spans[attn.name], inputs, bounds,
+                                 attn.window)
+                delta = out.reshape(N, H * hd) @ lw["wo"]
+            if rec is not None:
+                mp = pools[rec.name]
+                outs = [_recurrent(cfg, lw, mp, layer, h[bounds[r]:bounds[r + 1]], inp, commits)
+                        for r, inp in enumerate(inputs)]
+                delta = delta + torch.cat(outs)
+            x = x + delta
         x = x + mlp(rms_norm(x, lw["norm2"], cfg.norm_eps), lw)
     logits = rms_norm(x, weights["norm_f"], cfg.norm_eps) @ weights["head"]
     # only now does any request's recurrent state advance: a forward that fails part way
@@ -124,6 +112,26 @@ def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[Pa
         mp.conv(layer)[slot] = conv
         mp.state(layer)[slot] = ssm
     return list(logits.split(lens))
+
+
+def _attention(cfg, lw, pool, layer: int, h, pos, spans, inputs, bounds, window) -> torch.Tensor:
+    """Write the new tokens' K/V into each request's pages, then attend over what each
+    reads (its window, or the whole prefix)."""
+    N, H, KV, hd = h.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q = rope((h @ lw["wq"]).view(N, H, hd), pos, cfg.rope_theta)
+    k = rope((h @ lw["wk"]).view(N, KV, hd), pos, cfg.rope_theta)
+    v = (h @ lw["wv"]).view(N, KV, hd)
+    kp, vp = pool.k(layer), pool.v(layer)
+    out = torch.empty_like(q)
+    for r, sp in enumerate(spans):
+        a, b = bounds[r], bounds[r + 1]
+        kp[sp.w_page, sp.w_off] = k[a:b]
+        vp[sp.w_page, sp.w_off] = v[a:b]
+        n = b - a + inputs[r].start - sp.lo
+        keys = kp[sp.idx].flatten(0, 1)[sp.off:sp.off + n]
+        vals = vp[sp.idx].flatten(0, 1)[sp.off:sp.off + n]
+        out[a:b] = attend(q[a:b], keys, vals, pos[a:b], sp.k_pos, window)
+    return out
 
 
 def _recurrent(cfg, lw, mp, layer: int, h: torch.Tensor, inp: PagedInput, commits: list) -> torch.Tensor:

@@ -16,20 +16,21 @@ def reference_forward(cfg: HybridConfig, weights: dict, tokens) -> torch.Tensor:
     x = weights["embed"][ids]
     H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     for kind, lw in zip(cfg.pattern, weights["layers"]):
-        mixer = cfg.mixer(kind)
-        if mixer == "attention":
+        attn, rec = cfg.attention(kind), cfg.recurrent(kind)
+        if attn is not None or rec is not None:
             h = rms_norm(x, lw["norm1"], cfg.norm_eps)
-            q = rope((h @ lw["wq"]).view(T, H, hd), pos, cfg.rope_theta)
-            k = rope((h @ lw["wk"]).view(T, KV, hd), pos, cfg.rope_theta)
-            v = (h @ lw["wv"]).view(T, KV, hd)
-            a = attend(q, k, v, pos, pos, cfg.spec(kind).window)
-            x = x + a.reshape(T, H * hd) @ lw["wo"]
-        elif mixer == "recurrent":
-            h = rms_norm(x, lw["norm1"], cfg.norm_eps)
-            C = H * hd
-            conv0 = torch.zeros(C, cfg.conv_kernel - 1, dtype=x.dtype)
-            ssm0 = torch.zeros(H, cfg.state_dim, hd, dtype=x.dtype)
-            out, _, _ = recurrent_mix(h, lw, conv0, ssm0, H, hd, cfg.state_dim)
-            x = x + out
+            delta = 0
+            if attn is not None:
+                q = rope((h @ lw["wq"]).view(T, H, hd), pos, cfg.rope_theta)
+                k = rope((h @ lw["wk"]).view(T, KV, hd), pos, cfg.rope_theta)
+                v = (h @ lw["wv"]).view(T, KV, hd)
+                delta = attend(q, k, v, pos, pos, attn.window).reshape(T, H * hd) @ lw["wo"]
+            if rec is not None:
+                C = H * hd
+                conv0 = torch.zeros(C, cfg.conv_kernel - 1, dtype=x.dtype)
+                ssm0 = torch.zeros(H, cfg.state_dim, hd, dtype=x.dtype)
+                out, _, _ = recurrent_mix(h, lw, conv0, ssm0, H, hd, cfg.state_dim)
+                delta = delta + out
+            x = x + delta
         x = x + mlp(rms_norm(x, lw["norm2"], cfg.norm_eps), lw)
     return rms_norm(x, weights["norm_f"], cfg.norm_eps) @ weights["head"]

@@ -27,14 +27,13 @@ def init_weights(cfg: HybridConfig) -> dict:
     out = {"embed": w(cfg.vocab_size, D, scale=1.0), "norm_f": torch.ones(D, dtype=dtype),
            "head": w(D, cfg.vocab_size), "layers": []}
     for kind in cfg.pattern:
-        mixer = cfg.mixer(kind)
         lw = {"norm1": torch.ones(D, dtype=dtype), "norm2": torch.ones(D, dtype=dtype),
               "w_gate": w(D, cfg.mlp_hidden), "w_up": w(D, cfg.mlp_hidden), "w_down": w(cfg.mlp_hidden, D)}
-        if mixer == "mlp":
+        if not cfg.specs(kind):
             del lw["norm1"]
-        elif mixer == "attention":
+        if cfg.attention(kind) is not None:
             lw.update(wq=w(D, H * hd), wk=w(D, KV * hd), wv=w(D, KV * hd), wo=w(H * hd, D))
-        else:
+        if cfg.recurrent(kind) is not None:
             C = H * hd
             lw.update(w_u=w(D, C), w_z=w(D, C), w_k=w(D, H * sd), w_q=w(D, H * sd),
                       w_a=w(D, H), w_b=w(D, H), w_o=w(C, D),
@@ -68,14 +67,13 @@ def weight_shapes(cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
     D, H, KV, hd, sd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.state_dim
     out = {"embed": (cfg.vocab_size, D), "norm_f": (D,), "head": (D, cfg.vocab_size)}
     for i, kind in enumerate(cfg.pattern):
-        mixer = cfg.mixer(kind)
         lw = {"norm1": (D,), "norm2": (D,), "w_gate": (D, cfg.mlp_hidden), "w_up": (D, cfg.mlp_hidden),
               "w_down": (cfg.mlp_hidden, D)}
-        if mixer == "mlp":
+        if not cfg.specs(kind):
             del lw["norm1"]
-        elif mixer == "attention":
+        if cfg.attention(kind) is not None:
             lw.update(wq=(D, H * hd), wk=(D, KV * hd), wv=(D, KV * hd), wo=(H * hd, D))
-        else:
+        if cfg.recurrent(kind) is not None:
             C = H * hd
             lw.update(w_u=(D, C), w_z=(D, C), w_k=(D, H * sd), w_q=(D, H * sd), w_a=(D, H), w_b=(D, H),
                       w_o=(C, D), conv=(C, cfg.conv_kernel))

@@ -39,13 +39,15 @@ class RecurrentState(StateSpec):
         return n, ("--max-mamba-cache-size",), "the recurrent state pool", "slots"
 
     def pool_plan(self, layers, *, page_size, size, device, what, flags):
+        """One slot holds every recurrent layer's state; layers may differ in shapes and
+        dtypes (each shape gets its own buffers in the pool)."""
         import torch
-        shapes = {ls.shape for ls in layers}
-        if len(shapes) > 1:
-            raise ValueError(f"{self.name}: layers keep recurrent states of different shapes "
-                             f"{sorted(map(str, shapes))}; one pool needs one shape per slot")
-        s = shapes.pop()
-        shape = dict(conv_shape=s.conv_shape, state_shape=s.state_shape, dtype=getattr(torch, s.conv_dtype),
-                     state_dtype=getattr(torch, s.state_dtype))
+
+        def dt(name):
+            return getattr(torch, name)
+
+        shape = dict(layer_shapes={ls.layer: (tuple(ls.shape.conv_shape), tuple(ls.shape.state_shape),
+                                              dt(ls.shape.conv_dtype), dt(ls.shape.state_dtype))
+                                   for ls in layers})
         return PoolPlan(self.name, MambaStatePool, tuple(ls.layer for ls in layers), size, shape, device,
                         what=what, unit="slots", flags=flags)

@@ -16,6 +16,8 @@ import heapq
 from collections import OrderedDict
 from itertools import count
 
+from ..config import EVICTION_POLICIES
+
 _seq = count()
 
 
@@ -114,7 +116,7 @@ def _priority_key(nd):
     return (nd.priority, nd.tick)
 
 
-POLICIES = ("lru", "lfu", "fifo", "priority")
+POLICIES = EVICTION_POLICIES  # declared with the other settings (uniradix.config)
 
 
 def base_queue(policy: str):

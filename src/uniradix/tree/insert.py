@@ -27,25 +27,34 @@ class Inserting:
         leaf is not yet useful to others.
         """
         key = tokens if isinstance(tokens, bytes) else encode(tokens)
-        unit, P = self.unit, self.page_size
-        nbytes = len(key) - len(key) % unit
-        n = nbytes // TOKEN_BYTES
-        comps = self.components
+        P = self.page_size
+        n = (len(key) - len(key) % self.unit) // TOKEN_BYTES
         inc = list(map(values.get, self.names))
         full_in = inc[0]
         if full_in is None or len(full_in) != n // P:
             raise ValueError(f"insert needs {n // P} FULL handles for {n} tokens (page {P}), "
                              f"got {None if full_in is None else len(full_in)}")
-        if resume_points is None:
-            resume_points = ()
-        elif isinstance(resume_points, int):
-            resume_points = (page_floor(min(resume_points, n), P),) if resume_points > 0 else ()
-        else:
-            resume_points = tuple(sorted({page_floor(min(j, n), P) for j in resume_points if j > 0}))
         root = self.root(salt)
-        nd = root
-        path: list[Node] = []
-        off = 0
+        path = self._walk_splitting(root, key, n)
+        existing = path[-1].end if path else 0
+        freed = self.freed()
+        if self._single:
+            return self._insert_whole_prefix(key, n, full_in, prefix_len, path, root, existing, freed,
+                                             priority, lock)
+        points = _resume_points(resume_points, n, P)
+        # boundaries the components need, then values attach to whole nodes
+        plans = [(c.plan(n, points, v, prefix_len, out) if c.plans else ((), None, prefix_len))
+                 for c, v, out in zip(self.components, inc, freed.device)]
+        cuts = {p for pts, _, _ in plans for p in pts if 0 < p < n}  # plan() gives aligned ones
+        if existing < n and not cuts.difference((existing,)) and all(lo >= existing for _, _, lo in plans):
+            return self._insert_leaf(key, n, inc, plans, path, root, existing, freed, priority, lock)
+        return self._insert_general(key, n, inc, plans, cuts, prefix_len, path, root, existing, freed,
+                                    priority, lock)
+
+    def _walk_splitting(self, root: Node, key: bytes, n: int) -> list[Node]:
+        """The path the key matches, whole nodes (a node it leaves part way is split)."""
+        unit, nbytes = self.unit, n * TOKEN_BYTES
+        nd, path, off = root, [], 0
         while off < nbytes:
             ch = nd.children.get(key[off:off + unit])
             if ch is None:
@@ -58,56 +67,58 @@ class Inserting:
                 off += m
             path.append(ch)
             nd = ch
-        existing = off // TOKEN_BYTES
-        freed = self.freed()
-        outs = freed.device
-        if self._single:
-            if existing > prefix_len:
-                outs[0] = full_in[prefix_len // P: existing // P]
-            if existing < n:
-                leaf = self._new_node(nd, key, existing, n)
-                leaf.value[0] = v = full_in[existing // P:]
-                self.size[0] += len(v)
-                path.append(leaf)
-                self._touch_path(path, priority)
-                leaf.created = leaf.tick
-                self.lists[0].place(leaf, 1)
-                return InsertResult(leaf, existing, freed, self.lock(leaf) if lock else None)
-            self._touch_path(path, priority)
-            end = path[-1] if path else root
-            return InsertResult(end, existing, freed, self.lock(end) if lock else None)
+        return path
 
-        # boundaries the components need, then values attach to whole nodes
-        plans = [(c.plan(n, resume_points, v, prefix_len, out) if c.plans else ((), None, prefix_len))
-                 for c, v, out in zip(comps, inc, outs)]
-        points = {p for pts, _, _ in plans for p in pts if 0 < p < n}  # plan() gives aligned ones
-        if existing < n and not points.difference((existing,)) and \
-                all(lo >= existing for _, _, lo in plans):
-            # the common shape: one new leaf below the matched path, nothing to reconcile
-            leaf = self._new_node(nd, key, existing, n)
-            size, value = self.size, leaf.value
-            for ci in range(self.nc):
-                v = inc[ci]
-                if v is not None:
-                    comps[ci].adopt(leaf, v, plans[ci][1], outs[ci])
-                    if value[ci] is not None:
-                        size[ci] += len(value[ci])
-            if priority is not None:
-                leaf.priority = priority
+    def _insert_whole_prefix(self, key, n, full_in, prefix_len, path, root, existing, freed, priority, lock):
+        """One component (FULL alone): no plans, no holes, at most one new leaf."""
+        P = self.page_size
+        if existing > prefix_len:
+            freed.device[0] = full_in[prefix_len // P: existing // P]
+        if existing < n:
+            leaf = self._new_node(path[-1] if path else root, key, existing, n)
+            leaf.value[0] = v = full_in[existing // P:]
+            self.size[0] += len(v)
             path.append(leaf)
             self._touch_path(path, priority)
             leaf.created = leaf.tick
-            lists, w = self.lists, leaf.where
-            for ci, v in enumerate(leaf.value):
-                if v is not None:
-                    lists[ci].plain.add(leaf)
-                    w[ci] = 1
-            if lock:
-                return InsertResult(leaf, existing, freed, self.lock(leaf))
-            if not self._useful(leaf):
-                self._remove(leaf, freed)
-                return InsertResult(self._prune_up(nd, freed), existing, freed)
-            return InsertResult(leaf, existing, freed)
+            self.lists[0].place(leaf, 1)
+            return InsertResult(leaf, existing, freed, self.lock(leaf) if lock else None)
+        self._touch_path(path, priority)
+        end = path[-1] if path else root
+        return InsertResult(end, existing, freed, self.lock(end) if lock else None)
+
+    def _insert_leaf(self, key, n, inc, plans, path, root, existing, freed, priority, lock):
+        """The common shape: one new leaf below the matched path, nothing to reconcile."""
+        nd = path[-1] if path else root
+        leaf = self._new_node(nd, key, existing, n)
+        size, value, comps, outs = self.size, leaf.value, self.components, freed.device
+        for ci in range(self.nc):
+            v = inc[ci]
+            if v is not None:
+                comps[ci].adopt(leaf, v, plans[ci][1], outs[ci])
+                if value[ci] is not None:
+                    size[ci] += len(value[ci])
+        if priority is not None:
+            leaf.priority = priority
+        path.append(leaf)
+        self._touch_path(path, priority)
+        leaf.created = leaf.tick
+        lists, w = self.lists, leaf.where
+        for ci, v in enumerate(leaf.value):
+            if v is not None:
+                lists[ci].plain.add(leaf)
+                w[ci] = 1
+        if lock:
+            return InsertResult(leaf, existing, freed, self.lock(leaf))
+        if not self._useful(leaf):
+            self._remove(leaf, freed)
+            return InsertResult(self._prune_up(nd, freed), existing, freed)
+        return InsertResult(leaf, existing, freed)
+
+    def _insert_general(self, key, n, inc, plans, points, prefix_len, path, root, existing, freed,
+                        priority, lock):
+        """Nodes split at the components' points, new nodes between them, and existing
+        nodes the insert covers reconciled (tombstones healed, duplicates freed)."""
         if existing and points:
             split = False
             for p in points:
@@ -115,38 +126,8 @@ class Inserting:
                     split |= self._ensure_boundary(path[-1], p)
             if split:
                 path = path[-1].path()
-        new: list[Node] = []
-        if existing < n:
-            cuts = [p for p in points if p > existing]
-            if cuts:
-                cuts.sort()
-            cuts.append(n)
-            parent = path[-1] if path else root
-            s = existing
-            for e in cuts:
-                nn = self._new_node(parent, key, s, e)
-                new.append(nn)
-                parent = nn
-                s = e
-        size, locked = self.size, self.locked
-        changed = []
-        for c, v, (_, keep, lo), out in zip(comps, inc, plans, outs):
-            if v is None:
-                continue
-            ci = c.index
-            for x in reversed(path):
-                if x.end <= lo:
-                    break
-                if c.reconcile(x, v, prefix_len, keep, out):
-                    k = len(x.value[ci])
-                    size[ci] += k
-                    if x.locks[ci]:
-                        locked[ci] += k
-                    changed.append(x)
-            for x in new:
-                c.adopt(x, v, keep, out)
-                if x.value[ci] is not None:
-                    size[ci] += len(x.value[ci])
+        new = self._new_chain(key, n, points, path[-1] if path else root, existing)
+        changed = self._attach_values(inc, plans, prefix_len, path, new, freed)
         touched = path + new if new else path
         self._touch_path(touched, priority)
         lists = self.lists
@@ -168,8 +149,52 @@ class Inserting:
             end = self._prune_up(parent, freed)
         return InsertResult(end, existing, freed)
 
+    def _new_chain(self, key, n: int, points, parent: Node, existing: int) -> list[Node]:
+        """New nodes for [existing, n), cut at the points past existing."""
+        new: list[Node] = []
+        if existing < n:
+            s = existing
+            for e in sorted(p for p in points if p > existing) + [n]:
+                parent = self._new_node(parent, key, s, e)
+                new.append(parent)
+                s = e
+        return new
+
+    def _attach_values(self, inc, plans, prefix_len, path, new, freed) -> list[Node]:
+        """Each component reconciles the existing nodes it covers and adopts the new
+        ones; returns the nodes that gained a value (their eviction lists change)."""
+        size, locked = self.size, self.locked
+        changed = []
+        for c, v, (_, keep, lo), out in zip(self.components, inc, plans, freed.device):
+            if v is None:
+                continue
+            ci = c.index
+            for x in reversed(path):
+                if x.end <= lo:
+                    break
+                if c.reconcile(x, v, prefix_len, keep, out):
+                    k = len(x.value[ci])
+                    size[ci] += k
+                    if x.locks[ci]:
+                        locked[ci] += k
+                    changed.append(x)
+            for x in new:
+                c.adopt(x, v, keep, out)
+                if x.value[ci] is not None:
+                    size[ci] += len(x.value[ci])
+        return changed
+
     def _new_node(self, parent: Node, key: bytes, s: int, e: int) -> Node:
         nn = Node(key[s * TOKEN_BYTES: e * TOKEN_BYTES], s, e, parent, self.nc)
         parent.children[key[s * TOKEN_BYTES: s * TOKEN_BYTES + self.unit]] = nn
         self.num_nodes += 1
         return nn
+
+
+def _resume_points(points, n: int, P: int) -> tuple:
+    """The page-aligned positions in (0, n] later requests should resume at."""
+    if points is None:
+        return ()
+    if isinstance(points, int):
+        return (page_floor(min(points, n), P),) if points > 0 else ()
+    return tuple(sorted({page_floor(min(j, n), P) for j in points if j > 0}))

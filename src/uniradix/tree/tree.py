@@ -14,7 +14,7 @@ from .insert import Inserting
 from .keys import TOKEN_BYTES, common_prefix, encode, salt_key
 from .locks import LockError, Locking
 from .node import Node
-from .results import MatchResult
+from .results import LockReceipt, MatchResult
 from .tiers import Tiers
 
 __all__ = ["RadixTree", "LockError", "intersect"]
@@ -89,6 +89,7 @@ class RadixTree(Inserting, Locking, Tiers, Evicting):
         self.hosted = False               # some slot has been given a host copy
         self._rules = self.components[1:]  # components that can make a leaf useless
         self._kept: list[Node] = []  # FULL an eviction had to keep (see finish_eviction)
+        self.structural = self.components[0]  # the component that shapes the tree (FULL)
 
     def root(self, salt=None) -> Node:
         """The root of one tenant's tree (created on first use). `roots` is keyed by

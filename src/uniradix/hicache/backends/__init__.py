@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import math
 
 from ...config import STORAGE_BACKENDS, StorageConfig, parse_extra_config

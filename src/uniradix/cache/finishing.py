@@ -1,0 +1,107 @@
+"""When a request ends: its tokens go into the tree (or, on abort, everything it owns
+goes back), and the host tier takes the copies its policy says."""
+from __future__ import annotations
+
+from array import array
+
+from ..tree import LockReceipt
+from ..tree.component import page_floor
+from ..tree.keys import check_session_id
+from .request import RequestState
+
+
+class Finishing:
+    """UnifiedRadixCache's end of a request (a mixin: the state lives on the cache)."""
+
+    def cache_unfinished(self, req: RequestState, checkpoints: dict[int, int] | None = None) -> None:
+        """Insert what the running request has so far; it keeps going on the tree's copy."""
+        if checkpoints:
+            req.checkpoints.update(checkpoints)
+        old = req.receipt
+        req.node, req.receipt = self._insert(req, finished=False)
+        self._unlock(old)
+
+    def cache_finished(self, req: RequestState, session_id=None) -> object:
+        """Insert the finished request, free what the tree did not keep, release its
+        lock; with a session id, reference what the next turn will reuse. Returns the
+        node the request ends at."""
+        check_session_id(session_id)  # before the insert: a bad id changes nothing
+        node, _ = self._insert(req, finished=True)
+        self._unlock(req.receipt)
+        req.receipt, req.held = None, False
+        if session_id is not None and node.parent is not None:
+            self.tree.register_session(session_id, node)
+        if self.host is not None:
+            if req.staged is not None:
+                self.host.adopt(req.staged, node)  # writes through the rest too
+                req.staged = None
+            elif node.parent is not None:
+                self.host.write_through(node)
+        return node
+
+    def release(self, req: RequestState) -> None:
+        """Abort: free everything the request owns and unlock, caching nothing."""
+        if self.host is not None:
+            self.host.sync()  # a load may still be writing its state slot
+            if req.staged is not None:
+                self.host.adopt(req.staged, None)
+                req.staged = None
+        P = self.page_size
+        for c in self.page_comps:
+            own = req.pages[c.name][req.prefix_len // P:]
+            self.ledger.free_device(c.index, array("i", (h for h in own if h >= 0)))
+        if self.ckpt is not None:
+            slots = list(req.checkpoints.values())
+            if req.state_slot is not None:
+                slots.append(req.state_slot)
+            self.ledger.free_device(self.ckpt.index, slots)
+        req.checkpoints = {}
+        req.state_slot = None
+        self._unlock(req.receipt)
+        req.receipt, req.held = None, False
+
+    def _unlock(self, rc: LockReceipt) -> None:
+        self.ledger.free(self.tree.unlock(rc))
+
+    def _insert(self, req: RequestState, finished: bool):
+        P = self.page_size
+        n = page_floor(req.allocated, P)
+        npages = n // P
+        values = {}
+        for c in self.page_comps:
+            pages = req.pages[c.name]
+            if len(pages) < npages:
+                raise ValueError(f"request has {len(pages)} {c.name} pages, needs {npages}: call alloc_request first")
+            values[c.name] = pages[:npages] if len(pages) > npages else pages
+        if self.ckpt is not None:
+            values[self.ckpt.name] = self._checkpoints_to_insert(req, n, finished)
+        points = (req.junction, *req.resume_points) if req.resume_points else req.junction
+        r = self.tree.insert(req.key, values, req.prefix_len, points, req.salt, req.priority, not finished)
+        self.ledger.free(r.free)
+        node = r.node
+        req.prefix_len = n
+        if finished:
+            for c in self.page_comps:
+                pages = req.pages[c.name]
+                if len(pages) > npages:  # the unaligned tail is not cached
+                    self.ledger.free_device(c.index, array("i", (h for h in pages[npages:] if h >= 0)))
+            req.pages = {}
+            return node, r.receipt
+        # the tree now owns [0, n): the request goes on with the tree's handles
+        path = node.path()
+        for c in self.page_comps:
+            req.pages[c.name] = self.tree.path_pages(path, c.index) + req.pages[c.name][npages:]
+        return node, r.receipt
+
+    def _checkpoints_to_insert(self, req: RequestState, n: int, finished: bool) -> dict:
+        """The request's checkpoints, and its own state slot at the cached end when the
+        state is there (positions that cannot take one come back from the tree freed)."""
+        ck, req.checkpoints = req.checkpoints, {}
+        slot = req.state_slot
+        if finished and slot is not None:
+            req.state_slot = None
+            if req.computed == n and n not in ck:
+                ck[n] = slot
+            else:  # the state is not at the cached end: nothing to keep it for
+                self.ledger.free_device(self.ckpt.index, (slot,))
+        return ck

@@ -1,0 +1,108 @@
+"""While a request runs: its pages grow as it decodes, checkpoint slots are added, the
+windowed pages it no longer needs go back, and data another tier filled in moves its
+resume point."""
+from __future__ import annotations
+
+from array import array
+
+from ..hicache.l2 import Staged
+from ..tree import encode
+from ..tree.component import page_floor
+from .request import RequestState
+
+
+class Running:
+    """UnifiedRadixCache's running-request operations (a mixin: the state lives on the cache)."""
+
+    def alloc_request(self, req: RequestState, upto: int | None = None) -> None:
+        """Allocate the request's own pages so they cover its first `upto` tokens (all by default)."""
+        n = req.allocated if upto is None else upto
+        want = -(-n // self.page_size)
+        pages, need = req.pages, None
+        for c in self.page_comps:
+            k = want - len(pages[c.name])
+            if k > 0:
+                if need is None:
+                    need = [0] * len(self.pools)
+                need[c.index] = k
+        if need is None:
+            return
+        got = self.ledger.alloc(need)
+        for c in self.page_comps:
+            h = got[c.index]
+            if h is not None:
+                pages[c.name] += h
+
+    def append_tokens(self, req: RequestState, tokens) -> None:
+        """Decode: extend the request by `tokens` and allocate their pages; on CacheFull
+        the request is unchanged."""
+        more = tokens if isinstance(tokens, bytes) else encode(tokens)
+        self.alloc_request(req, (len(req.key) + len(more)) >> 2)  # CacheFull leaves req as it was
+        req.key += more
+
+    def add_checkpoint(self, req: RequestState, pos: int) -> int:
+        """A request-owned slot to capture the recurrent state at `pos` into; it goes to
+        the tree with the request (the junction checkpoint, say)."""
+        if self.ckpt is None:
+            raise ValueError("this cache has no checkpoint component")
+        if pos % self.page_size:
+            raise ValueError(f"checkpoint position {pos} is not page-aligned ({self.page_size})")
+        if pos in req.checkpoints:
+            return req.checkpoints[pos]
+        slot = self.ledger.alloc(self._one_slot)[self.ckpt.index][0]
+        req.checkpoints[pos] = slot
+        return slot
+
+    def release_out_of_window(self, req: RequestState, upto: int | None = None) -> int:
+        """Free the request's own windowed pages that fell out of the window, except the
+        windows at its junction and resume points; returns how many were freed. The
+        window kept is the one ending at the page-aligned end (what the tree will cache),
+        which also covers the window that decoding still reads. `upto` (default: all it
+        allocated) is how far the request has computed, for a chunked prefill whose later
+        chunks still read the window before them."""
+        P = self.page_size
+        end = page_floor(req.allocated if upto is None else min(upto, req.allocated), P)
+        freed, mark = 0, None
+        for c in self.windowed:
+            stop = c.window_start(end) // P
+            kept = [(c.window_start(j) // P, j // P) for j in (req.junction, *req.resume_points)]
+            freed += self._free_own(req, c, max(req.window_freed, req.prefix_len // P), stop, kept)
+            mark = stop if mark is None else min(mark, stop)
+        if mark is not None and mark > req.window_freed:
+            req.window_freed = mark
+        return freed
+
+    def resumed_from(self, req: RequestState, upto: int) -> int:
+        """The request's own pages and state were filled from another tier up to `upto`
+        (page-aligned, past its prefix): it now resumes there. Its own windowed pages
+        below the window before `upto` hold nothing and are freed (no junction window
+        is kept for them); returns how many were freed."""
+        P = self.page_size
+        if upto % P or upto < req.prefix_len or upto > req.allocated:
+            raise ValueError(f"cannot resume at {upto}: prefix {req.prefix_len}, {req.allocated} tokens, page {P}")
+        freed = sum(self._free_own(req, c, req.prefix_len // P, c.window_start(upto) // P, ())
+                    for c in self.windowed)
+        req.reused = req.computed = upto
+        return freed
+
+    def _free_own(self, req: RequestState, c, start: int, stop: int, kept) -> int:
+        """Free the request's present pages of component c in pages [start, stop), except
+        those inside a kept (lo, hi) page range; they become -1."""
+        pages = req.pages[c.name]
+        out = array("i")
+        for p in range(start, min(stop, len(pages))):
+            h = pages[p]
+            if h >= 0 and not any(lo <= p < hi for lo, hi in kept):
+                out.append(h)
+                pages[p] = -1
+        self.ledger.free_device(c.index, out)
+        return len(out)
+
+    def stage_fetched(self, req: RequestState, fetched) -> bool:
+        """Land data read from L3 in the host tier and load it into the request's pages
+        layer by layer (see HostTier.stage); False without a host tier or room."""
+        if self.host is None:
+            return False
+        if req.staged is None:
+            req.staged = Staged()
+        return self.host.stage(req.staged, fetched, fetched.b)

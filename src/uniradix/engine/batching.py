@@ -1,0 +1,156 @@
+"""One step's batch: prefill chunks within the token budget and one token per decoding
+request, pages grown as decoding goes (preempting the newest request on a shortfall),
+the batched forward (rerun request by request when it fails, so only the culprit
+fails), then sampling, and the finished requests handed to the cache."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..cache import CacheFull, RequestState
+from ..model import PagedInput, paged_forward
+from .request import Request
+from .sampling import sample
+
+
+class Batching:
+    """Engine's batches (a mixin: the state lives on the engine)."""
+
+    def _forward(self, batch: list, done: list[Request]) -> list:
+        """Logits per batch entry. When the batched forward fails, each request runs alone
+        so that only the one that fails is aborted (None in its place); the forward
+        commits recurrent state only once it has run every layer, so a failed attempt
+        leaves no request's state advanced."""
+        cache = self.cache
+        wait = cache.wait_layer if cache.pending_loads else None  # host loads still copying
+        try:
+            logits = paged_forward(self.cfg, self.weights, self.pools, [inp for _, inp in batch], wait_layer=wait)
+        except Exception as e:
+            if len(batch) == 1:
+                logits = [None]
+                self._abort(batch[0][0], e, done)
+            else:
+                logits = [self._forward_alone(st, inp, wait, done) for st, inp in batch]
+        if wait is not None:
+            cache.sync_loads()
+        return logits
+
+    def _forward_alone(self, st: RequestState, inp: PagedInput, wait, done: list[Request]):
+        try:
+            return paged_forward(self.cfg, self.weights, self.pools, [inp], wait_layer=wait)[0]
+        except Exception as e:
+            self._abort(st, e, done)
+            return None
+
+    def _schedule(self, done: list[Request]) -> list[tuple[RequestState, PagedInput]]:
+        budget = self.chunk
+        batch = []
+        for st in list(self.running):
+            if st not in self.running:
+                continue  # preempted to make room for an earlier one
+            n = len(st.tokens) - st.computed
+            if n > 1:  # prefill, within the step's token budget
+                n = min(n, budget)
+                if n == 0:
+                    continue
+                budget -= n
+            try:
+                if n == 1 and not self._grow(st, done):
+                    continue
+                batch.append((st, self._input(st, n)))
+            except Exception as e:
+                self._abort(st, e, done)
+        return batch
+
+    def _grow(self, st: RequestState, done: list[Request]) -> bool:
+        """Pages for the token a decoding request is about to compute. On a shortfall the
+        newest decoding request is preempted (its work is cached, it re-queues at the
+        front) until this one fits; False when this one was preempted itself."""
+        while True:
+            try:
+                if st.allocated < len(st.tokens):
+                    self.cache.append_tokens(st, st.tokens[st.allocated:])
+                return True
+            except CacheFull:
+                victim = next((s for s in reversed(self.running) if s.allocated <= s.computed), st)
+                if victim is st and len(self.running) == 1 and not self.prefetching:
+                    self.running.remove(st)
+                    self.cache.release(st)
+                    self._fail(st.owner, f"request {st.owner.rid} can never fit: the pools cannot "
+                                         f"hold {len(st.tokens)} tokens")
+                    done.append(st.owner)
+                    return False
+                self._preempt(victim, done)
+                if victim is st:
+                    return False
+
+    def _preempt(self, st: RequestState, done: list[Request]) -> None:
+        self.running.remove(st)
+        try:
+            self._store(st)
+        except Exception as e:
+            self._abort(st, e, done)
+            return
+        st.clear()
+        st.owner.status = "preempted"
+        st.owner.metrics.preemptions += 1
+        self.counters["preemptions"] += 1
+        self.waiting.appendleft(st)
+
+    def _input(self, st: RequestState, n: int) -> PagedInput:
+        s, e, P = st.computed, st.computed + n, self.page_size
+        if self.captures and P > 1 and e >= st.prompt_len and e % P == 0 and e not in st.checkpoints:
+            # the rolling decode checkpoint moves to each page boundary it passes
+            if st.rolling is not None:
+                st.checkpoints[e] = st.checkpoints.pop(st.rolling)
+                st.rolling = e
+            elif self._checkpoint(st, e) is not None:
+                st.rolling = e
+        return PagedInput(st.tokens[s:e], s, st.pages, st.state_slot, st.captures(s, e))
+
+    def _advance(self, st: RequestState, inp: PagedInput, logits: torch.Tensor, done: list[Request]) -> None:
+        req = st.owner
+        n = len(inp.tokens)
+        prefill = min(st.computed + n, st.prompt_len) - min(st.computed, st.prompt_len)
+        req.metrics.computed_tokens += prefill
+        self.counters["prefill_tokens"] += prefill
+        self.counters["decode_tokens"] += n - prefill
+        st.computed += n
+        if self.cache.windowed:
+            self.cache.release_out_of_window(st, st.computed)
+        if st.computed < len(st.tokens):
+            return
+        row = logits[-1]
+        if req.record_logits:
+            req.logits.append(row.detach().to("cpu", copy=True))
+        tok = sample(row, req.sampling, st.rng)
+        now = time.perf_counter()
+        if req.metrics.first_token is None:
+            req.metrics.first_token = now
+        req.output_ids.append(tok)
+        st.tokens.append(tok)
+        req.metrics.output_tokens = len(req.output_ids)
+        if tok in req.sampling.stop_ids:
+            req.finish_reason = "stop"
+        elif len(req.output_ids) >= req.sampling.max_new_tokens:
+            req.finish_reason = "length"
+        else:
+            return
+        self.running.remove(st)
+        self._store(st, req.session_id)
+        req.status = "finished"
+        req.metrics.finished = now
+        self.counters["finished"] += 1
+        done.append(req)
+
+    def _store(self, st: RequestState, session_id=None) -> None:
+        """Hand the request's computed tokens to the tree (or free them with the cache off)."""
+        if not self.use_cache:
+            self.cache.release(st)
+            return
+        if st.allocated < st.computed:  # their pages are there: no allocation
+            self.cache.append_tokens(st, st.tokens[st.allocated:st.computed])
+        self.cache.cache_finished(st, session_id)
+        if self.storage is not None:
+            self.storage.write_through(st)
