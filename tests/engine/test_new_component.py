@@ -5,7 +5,8 @@ tree gets a fourth component, its pool is built from the model's layers, its obj
 to L3 under their own name, and every token stays exact against the oracle in L1, L2
 and L3. Beside it, the other layer shapes real models need: layers that keep nothing
 (MLP only), a layer that keeps KV and a recurrent state, and recurrent states of
-different shapes and dtypes per layer."""
+different shapes and dtypes per layer; and every mix of layer kinds, those with no
+full-attention layer included, goes through every tier."""
 from __future__ import annotations
 
 import os
@@ -66,7 +67,12 @@ def test_the_new_spec_becomes_a_component_with_its_own_pool():
 CASES = [("second window", LOCAL),
          ("MLP-only layers", HybridConfig(pattern="F-S-M-")),
          ("KV and a state in one layer", HybridConfig(pattern="HSF")),
-         ("all of them", HybridConfig(pattern="H-LSM", kinds=(("L", LocalWindowKV()),)))]
+         ("all of them", HybridConfig(pattern="H-LSM", kinds=(("L", LocalWindowKV()),))),
+         # no full-attention layer: FULL still shapes the tree, over a pool that only
+         # counts; nothing above the tree may assume that pool holds data
+         ("S only", HybridConfig(pattern="S")), ("M only", HybridConfig(pattern="M")),
+         ("S and M", HybridConfig(pattern="SM")), ("M and two S", HybridConfig(pattern="MSS")),
+         ("S and F", HybridConfig(pattern="SF"))]
 
 
 @pytest.mark.parametrize("page", [1, 4])
@@ -111,6 +117,7 @@ def test_storage_tier(make_engine, tmp_path, what, model, page):
     run_checked(b, [r])
     check_exact(b, r)
     assert r.metrics.storage_tokens == r.metrics.cached_tokens == page_floor(resumable(first), page)
+    assert a.stats()["storage_errors"] == 0 and b.stats()["storage_errors"] == 0
     if "L" in model.pattern:  # the new component's objects, under its own name
         assert any(f.endswith(".local") for f in os.listdir(tmp_path))
     a.close()

@@ -29,6 +29,34 @@ BASE_COUNTERS = ("gets", "hits", "sets", "set_failures", "errors", "bytes_writte
 MOONCAKE_SIZES = {"global_segment_size": "64MB", "local_buffer_size": "16MB"}
 
 
+class DictBackend(StorageBackend):
+    """A user backend held in a dict, for the dynamic loader's tests."""
+
+    name = "dict"
+
+    def __init__(self, tag="x"):
+        self.tag, self.d = tag, {}
+
+    def batch_exists(self, keys):
+        n = 0
+        while n < len(keys) and keys[n] in self.d:
+            n += 1
+        return n
+
+    def batch_get(self, keys):
+        return [self.d.get(k) for k in keys]
+
+    def batch_set(self, keys, values):
+        self.d.update(zip(keys, values))
+        return [True] * len(keys)
+
+    def delete(self, key):
+        return self.d.pop(key, None) is not None
+
+    def clear(self):
+        self.d.clear()
+
+
 def key(i, suffix: str = "", ns: str = "") -> str:
     h = hashlib.sha256(f"{ns}/{i}".encode()).hexdigest()
     return h + (f".{suffix}" if suffix else "")

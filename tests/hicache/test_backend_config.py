@@ -11,16 +11,15 @@ import sys
 import uuid
 
 import pytest
-from backend_contract import read_only_later
+from backend_contract import DictBackend, read_only_later
 
 from uniradix.hicache.backends import TIER_KEYS, make_backend
 from uniradix.hicache.backends.file import FileBackend
-from uniradix.hicache.storage import StorageBackend
 
 MOD = __name__
 
 
-class TaggedBackend(StorageBackend):
+class TaggedBackend(DictBackend):
     """A user backend for the dynamic loader: `tag` is required, and must be >= 0."""
 
     name = "tagged"
@@ -28,26 +27,7 @@ class TaggedBackend(StorageBackend):
     def __init__(self, tag, colour_blind: bool = False):
         if isinstance(tag, int) and tag < 0:
             raise ValueError(f"tag must be >= 0,\ngot {tag}")
-        self.tag, self.d = tag, {}
-
-    def batch_exists(self, keys):
-        n = 0
-        while n < len(keys) and keys[n] in self.d:
-            n += 1
-        return n
-
-    def batch_get(self, keys):
-        return [self.d.get(k) for k in keys]
-
-    def batch_set(self, keys, values):
-        self.d.update(zip(keys, values))
-        return [True] * len(keys)
-
-    def delete(self, key):
-        return self.d.pop(key, None) is not None
-
-    def clear(self):
-        self.d.clear()
+        super().__init__(tag)
 
 
 def config_error(name: str, extra) -> str:

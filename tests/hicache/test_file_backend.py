@@ -11,9 +11,9 @@ import pathlib
 import subprocess
 
 import pytest
-from backend_contract import keys, read_only_later
+from backend_contract import DictBackend, keys, read_only_later
 
-from uniradix.hicache import StorageBackend, StorageUnavailable
+from uniradix.hicache import StorageUnavailable
 from uniradix.hicache.backends import make_backend, parse_extra_config
 from uniradix.hicache.backends.file import FileBackend
 
@@ -191,34 +191,6 @@ def test_factory_and_extra_config(tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
         parse_extra_config(f"@{tmp_path / 'missing.json'}")
     assert parse_extra_config(None) == {}
-
-
-class DictBackend(StorageBackend):
-    """A user backend for the dynamic loader test."""
-
-    name = "dict"
-
-    def __init__(self, tag="x"):
-        self.tag, self.d = tag, {}
-
-    def batch_exists(self, keys):
-        n = 0
-        while n < len(keys) and keys[n] in self.d:
-            n += 1
-        return n
-
-    def batch_get(self, keys):
-        return [self.d.get(k) for k in keys]
-
-    def batch_set(self, keys, values):
-        self.d.update(zip(keys, values))
-        return [True] * len(keys)
-
-    def delete(self, key):
-        return self.d.pop(key, None) is not None
-
-    def clear(self):
-        self.d.clear()
 
 
 def test_dynamic_backend_loads_a_user_class():

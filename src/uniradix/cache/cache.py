@@ -110,8 +110,10 @@ class UnifiedRadixCache(Running, Finishing):
         eviction made for one component hands its other freed pages straight over. What
         only the host holds is loaded back (all or nothing; else the request resumes at
         the device's boundary). On CacheFull nothing stays locked or allocated."""
-        check_priority(priority)  # before the tree sees them: a bad one fails here, nothing held
-        salt_key(salt)
+        if priority is not None:  # before the tree sees them: a bad one fails here, nothing held
+            check_priority(priority)
+        if salt is not None:
+            salt_key(salt)
         key = tokens if isinstance(tokens, bytes) else encode(tokens)
         if state is None:
             state = RequestState(salt=salt, priority=priority)
