@@ -9,7 +9,7 @@ import time
 import torch
 
 from ..cache import CacheFull, RequestState
-from ..model import PagedInput, paged_forward
+from ..model import PagedInput
 from .request import Request
 from .sampling import sample
 
@@ -25,7 +25,7 @@ class Batching:
         cache = self.cache
         wait = cache.wait_layer if cache.pending_loads else None  # host loads still copying
         try:
-            logits = paged_forward(self.cfg, self.weights, self.pools, [inp for _, inp in batch], wait_layer=wait)
+            logits = self.model.forward(self.pools, [inp for _, inp in batch], wait_layer=wait)
         except Exception as e:
             if len(batch) == 1:
                 logits = [None]
@@ -38,7 +38,7 @@ class Batching:
 
     def _forward_alone(self, st: RequestState, inp: PagedInput, wait, done: list[Request]):
         try:
-            return paged_forward(self.cfg, self.weights, self.pools, [inp], wait_layer=wait)[0]
+            return self.model.forward(self.pools, [inp], wait_layer=wait)[0]
         except Exception as e:
             self._abort(st, e, done)
             return None

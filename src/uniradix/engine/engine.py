@@ -12,7 +12,6 @@ the resume point is kept, so the tree can resume later requests there."""
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import replace
@@ -21,7 +20,7 @@ import torch
 
 from ..cache import RequestState, audit
 from ..config import EngineConfig
-from ..model import ByteTokenizer, HybridConfig, init_weights, load_weights, preset
+from ..model import HybridConfig, PagedModel, load_model  # noqa: F401  (PagedModel: the annotation)
 from .admission import Admission
 from .batching import Batching
 from .build import build_cache
@@ -31,34 +30,27 @@ log = logging.getLogger("uniradix.engine")
 
 
 class Engine(Admission, Batching):
-    """The reference hybrid model behind a UnifiedRadixCache.
+    """A model behind a UnifiedRadixCache.
 
-    `config`: an EngineConfig, or its settings by name (SGLang's flag names:
-    `page_size`, `max_total_tokens`, `chunked_prefill_size`, `enable_hierarchical_cache`,
-    `hicache_storage_prefetch_policy`, ...; see uniradix.config for each, its default
-    and what it allows). `weights`: a dict of tensors or a safetensors file (default:
-    seeded). `storage`: a hicache StorageBackend shared with other engines (L3), closed
-    by its owner. `submit` queues requests, `step` runs one scheduling step, `run` drives
-    a list of requests to the end."""
+    `model`: a PagedModel, a preset name or HybridConfig of the embedded model (with
+    `weights`: a dict of tensors or a safetensors file; default seeded), or a checkpoint
+    directory / .gguf file. `config`: an EngineConfig, or its settings by name (SGLang's
+    flag names: `page_size`, `max_total_tokens`, `chunked_prefill_size`,
+    `enable_hierarchical_cache`, `hicache_storage_prefetch_policy`, ...; see
+    uniradix.config for each, its default and what it allows). `storage`: a hicache
+    StorageBackend shared with other engines (L3), closed by its owner. `submit` queues
+    requests, `step` runs one scheduling step, `run` drives a list of requests to the end."""
 
-    def __init__(self, model: HybridConfig | str = "tiny-hybrid", config: EngineConfig | None = None, *,
-                 weights=None, storage=None, **settings) -> None:
+    def __init__(self, model: "PagedModel | HybridConfig | str" = "tiny-hybrid",
+                 config: EngineConfig | None = None, *, weights=None, storage=None, **settings) -> None:
         self.config = config = (config or EngineConfig()).with_(**settings) if settings else (config or EngineConfig())
-        self.cfg = preset(model) if isinstance(model, str) else model
         sched = config.scheduler
         self.device = _check_device(sched.device)
-        self.weights_path = None
-        if weights is None:
-            w = init_weights(self.cfg)
-        elif isinstance(weights, dict):
-            w = weights
-        else:  # a safetensors file
-            self.weights_path = os.fspath(weights)
-            w = load_weights(self.cfg, self.weights_path)
-        self.weights = _to(w, self.device)
+        self.model = load_model(model, weights).to(self.device)
+        self.cfg, self.weights = self.model.config, self.model.weights
         self.use_cache = not config.cache.disable_radix_cache
         host = config.host if self.use_cache else replace(config.host, enable_hierarchical_cache=False)
-        self.cache, self.pools = build_cache(self.cfg, config.cache, host, device=self.device,
+        self.cache, self.pools = build_cache(self.model, config.cache, host, device=self.device,
                                              max_running=sched.max_running_requests)
         self.hierarchical = self.cache.host is not None
         self.page_size = config.cache.page_size
@@ -66,7 +58,7 @@ class Engine(Admission, Batching):
         self.max_running = sched.max_running_requests
         self.captures = self.use_cache and self.cache.ckpt is not None  # checkpoints to take
         self.keeps_windows = self.use_cache and bool(self.cache.windowed)
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = self.model.tokenizer
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.counters = dict(steps=0, finished=0, errors=0, preemptions=0, prefill_tokens=0, cached_tokens=0,
@@ -76,7 +68,7 @@ class Engine(Admission, Batching):
             from ..hicache.l3 import StorageTier
             h = config.host
             weights_fp = self._weights_fingerprint() if config.storage.model_fingerprint is None else ""
-            self.storage = StorageTier(self.cache, storage, config.storage, self.cfg, weights=weights_fp,
+            self.storage = StorageTier(self.cache, storage, config.storage, self.model.config, weights=weights_fp,
                                        write_policy=h.hicache_write_policy if self.hierarchical else "write_through",
                                        write_min_hits=h.write_min_hits)
 
@@ -85,8 +77,8 @@ class Engine(Admission, Batching):
         disk by path, size and mtime, so a restart does not rehash it), else a digest of
         the tensors themselves."""
         from ..model.fingerprint import file_fingerprint, weights_fingerprint
-        if self.weights_path is not None:
-            return file_fingerprint(self.weights_path)
+        if self.model.files:
+            return file_fingerprint(list(self.model.files))
         return weights_fingerprint(self.weights)
 
     @property
@@ -108,7 +100,7 @@ class Engine(Admission, Batching):
         never hold finishes at once with status "error" and says why."""
         if req.status != "new":
             raise ValueError(f"request {req.rid} was already submitted")
-        ids = req.check(self.cfg.vocab_size)
+        ids = req.check(self.model.vocab_size)
         if req.text is not None:
             ids = self.tokenizer.encode(req.text)
         if not ids:
@@ -261,9 +253,3 @@ def _check_device(device) -> torch.device:
     if d.index is not None and d.index >= torch.cuda.device_count():
         raise ValueError(f"--device {device!r}: torch sees {torch.cuda.device_count()} CUDA device(s)")
     return d
-
-
-def _to(weights: dict, device: torch.device) -> dict:
-    return {k: ([_to(x, device) for x in v] if isinstance(v, list) else
-                _to(v, device) if isinstance(v, dict) else v.to(device))
-            for k, v in weights.items()}

@@ -1,11 +1,14 @@
-"""The reference hybrid model (F / S / M layers) and its no-cache oracle."""
+"""Models behind the cache: the interface an engine needs (`PagedModel`), the embedded
+reference hybrid model (F / S / M / H / - layers) and its no-cache oracle, and real
+checkpoints (`model.hf`)."""
+from .base import PagedModel, ReferenceModel, load_model
 from .config import LAYER_KINDS, PRESETS, HybridConfig, preset
 from .fingerprint import file_fingerprint, weights_fingerprint
-from .reference import reference_forward
 from .paged import PagedInput, paged_forward
+from .reference import reference_forward
 from .tokenizer import ByteTokenizer
 from .weights import init_weights, load_weights, save_weights
 
 __all__ = ["LAYER_KINDS", "PRESETS", "HybridConfig", "preset", "reference_forward", "ByteTokenizer",
            "init_weights", "save_weights", "load_weights", "PagedInput", "paged_forward", "weights_fingerprint",
-           "file_fingerprint"]
+           "file_fingerprint", "PagedModel", "ReferenceModel", "load_model"]
