@@ -47,18 +47,20 @@ def greedy(ids, n: int, **kw) -> Request:
     return Request(input_ids=list(ids), sampling=SamplingParams(max_new_tokens=n, **kw), record_logits=True)
 
 
-def check_exact(engine: Engine, req: Request) -> None:
+def check_exact(engine: Engine, req: Request, oracle=None, tol: float = TOL) -> None:
     """Each recorded logits row equals the oracle's row over prompt + output[:-1], and
-    greedy decoding picked exactly the oracle's argmax."""
+    greedy decoding picked exactly the oracle's argmax. `oracle(tokens) -> logits`:
+    default the model's own no-cache forward (transformers' for real checkpoints)."""
     assert req.status == "finished", (req.status, req.error)
     prompt, out = list(req.input_ids), list(req.output_ids)
     assert out, "a finished request produced nothing"
     assert len(req.logits) == len(out), (len(req.logits), len(out))
-    ref = reference_forward(engine.cfg, engine.weights, prompt + out[:-1])[len(prompt) - 1:]
+    oracle = oracle or engine.model.reference
+    ref = oracle(prompt + out[:-1])[len(prompt) - 1:]
     got = torch.stack([row.float() for row in req.logits])
     assert got.shape == ref.shape, (got.shape, ref.shape)
     diff = (got - ref.to(got.dtype)).abs().max().item()
-    assert diff < TOL, f"request {req.rid}: logits differ from the oracle by {diff}"
+    assert diff < tol, f"request {req.rid}: logits differ from the oracle by {diff}"
     if req.sampling.temperature == 0:
         assert ref.argmax(-1).tolist() == out, f"request {req.rid}: greedy tokens differ from the oracle"
 

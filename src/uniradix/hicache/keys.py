@@ -46,7 +46,7 @@ class StorageNamespace:
         fleet chooses it, used as it is."""
         if isinstance(cfg, str):
             return cls(cfg, page_size, rank, salt, weights)
-        fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+        fields = cfg if isinstance(cfg, dict) else {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
         return cls(json.dumps(fields, sort_keys=True, default=repr), page_size, rank, salt, weights)
 
     def with_salt(self, salt) -> "StorageNamespace":

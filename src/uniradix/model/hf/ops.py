@@ -1,0 +1,247 @@
+"""The paged building blocks every family's forward is made of: norms and RoPE as the
+Hugging Face implementations compute them, attention that writes new K/V into a
+component's pages and reads each request's keys back from them, and a recurrent runner
+that advances each request's state in its slot, copying it out at captures and
+committing only after the last layer.
+
+A `Batch` holds one forward's requests: their tokens' positions, where each request's
+rows sit in the flattened batch, the spans of pages each KV component reads, and the
+recurrent states waiting to be committed."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..paged import PagedInput
+
+
+# ---------------------------------------------------------------------------- norms
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm in float32, scaled by (offset + w) (offset 1.0: Gemma's and Qwen3-Next's
+    zero-centred weights), cast back to x's dtype."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    if w is not None:
+        y = y * (offset + w.float())
+    return y.to(x.dtype)
+
+
+def rms_norm_llama(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama-style models do it: normalised in float32, cast back, then
+    scaled by w in the weights' dtype."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    return w * y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------- RoPE
+def rope_inv_freq(params: dict, dim: int, max_positions: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the attention scaling of one RoPE setup: `params` as
+    checkpoint.rope_parameters normalises them (rope_type default, linear or yarn,
+    rope_theta, partial_rotary_factor, factor, ...); `dim` the head dimension."""
+    rot = int(dim * params.get("partial_rotary_factor", 1.0))
+    base = params["rope_theta"]
+    inv = 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.int64).float() / rot))
+    kind = params.get("rope_type", "default")
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return inv / params["factor"], 1.0
+    if kind == "yarn":
+        return _yarn(params, inv, rot, base, max_positions)
+    raise ValueError(f"RoPE type {kind!r} is not supported (default, linear, yarn)")
+
+
+def _yarn(params, inv, dim, base, max_positions):
+    factor = params["factor"]
+    original = params.get("original_max_position_embeddings") or max_positions
+    mscale = params.get("mscale")
+    mscale_all = params.get("mscale_all_dim")
+    attention = params.get("attention_factor")
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention is None:
+        attention = get_mscale(factor, mscale) / get_mscale(factor, mscale_all) if mscale and mscale_all \
+            else get_mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rot):
+        return (dim * math.log(original / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, attention
+
+
+def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype) -> tuple:
+    """cos and sin [N, rot] at positions `pos` (the halves duplicated, as HF lays them)."""
+    freqs = pos[:, None].float() * inv_freq.to(pos.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, d]: the first cos.shape[-1] dims rotated (rotate_half convention);
+    the rest pass through (partial RoPE)."""
+    rot = cos.shape[-1]
+    xr, rest = x[..., :rot], x[..., rot:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    half = rot // 2
+    rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
+    out = xr * c + rotated * s
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+# ---------------------------------------------------------------------------- a batch
+class Batch:
+    """One forward's requests over the cache's pools."""
+
+    def __init__(self, pools: dict, inputs: list[PagedInput], device) -> None:
+        self.pools = pools
+        self.inputs = inputs
+        lens = [len(i.tokens) for i in inputs]
+        if min(lens) <= 0:
+            raise ValueError("every request in a batch brings at least one new token")
+        self.lens = lens
+        self.bounds = [0]
+        for n in lens:
+            self.bounds.append(self.bounds[-1] + n)
+        self.device = device
+        self.ids = torch.as_tensor([t for i in inputs for t in i.tokens], dtype=torch.long, device=device)
+        self.pos = torch.cat([torch.arange(i.start, i.end, device=device) for i in inputs])
+        self._spans: dict = {}
+        self.commits: list = []
+
+    def spans(self, spec) -> list:
+        """Per request, where its keys of KV component `spec` live (from the first key the
+        first new token reads: the tree's rule)."""
+        sp = self._spans.get(spec.name)
+        if sp is None:
+            P = self.pools[spec.name].page_size
+            sp = self._spans[spec.name] = [
+                _Span(i.pages[spec.name], P, max(0, spec.first_key(i.start)), i.start, i.end, self.device)
+                for i in self.inputs]
+        return sp
+
+    def commit(self) -> None:
+        """Write the recurrent states computed by every layer into their slots."""
+        for mp, layer, slot, states in self.commits:
+            for buf, value in zip(mp.layer_tensors(layer), states):
+                buf[slot] = value
+        self.commits = []
+
+
+class _Span:
+    """Where one request's K/V lives for one KV component: the pages of [lo, end), the
+    offset of lo in the first page, and each new token's page and offset."""
+
+    __slots__ = ("idx", "off", "lo", "k_pos", "w_page", "w_off")
+
+    def __init__(self, pages, P: int, lo: int, start: int, end: int, device) -> None:
+        first, last = lo // P, -(-end // P)
+        window = list(pages[first:last])
+        if len(window) < last - first or min(window, default=0) < 0:
+            raise ValueError(f"a page needed for positions [{lo}, {end}) is absent")
+        self.idx = torch.as_tensor(window, dtype=torch.long, device=device)
+        self.off = lo - first * P
+        self.lo = lo
+        self.k_pos = torch.arange(lo, end, device=device)
+        new = range(start, end)
+        self.w_page = torch.as_tensor([pages[p // P] for p in new], dtype=torch.long, device=device)
+        self.w_off = torch.as_tensor([p % P for p in new], dtype=torch.long, device=device)
+
+
+# ---------------------------------------------------------------------------- attention
+def paged_attention(batch: Batch, spec, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                    scale: float, sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Write k, v [N, KV, d] of the new tokens into component `spec`'s pages of `layer`,
+    then attend: q [N, H, d] over each request's keys (causal; a sliding window reads
+    from spec.first_key). `sinks` [H]: per-head logits that join each softmax (gpt-oss);
+    `softcap`: scores go through cap * tanh(score / cap). Returns [N, H, d]."""
+    pool = batch.pools[spec.name]
+    kp, vp = pool.k(layer), pool.v(layer)
+    out = torch.empty_like(q)
+    for r, sp in enumerate(batch.spans(spec)):
+        a, b = batch.bounds[r], batch.bounds[r + 1]
+        kp[sp.w_page, sp.w_off] = k[a:b].to(kp.dtype)
+        vp[sp.w_page, sp.w_off] = v[a:b].to(vp.dtype)
+        n = b - a + batch.inputs[r].start - sp.lo
+        keys = kp[sp.idx].flatten(0, 1)[sp.off:sp.off + n].to(q.dtype)
+        vals = vp[sp.idx].flatten(0, 1)[sp.off:sp.off + n].to(q.dtype)
+        out[a:b] = attend(q[a:b], keys, vals, batch.pos[a:b], sp.k_pos, spec, scale, sinks, softcap)
+    return out
+
+
+def attend(q, k, v, q_pos, k_pos, spec, scale: float, sinks=None, softcap=None) -> torch.Tensor:
+    """Grouped-query attention of q [T, H, d] at q_pos over k, v [S, KV, d] at k_pos,
+    masked by causality and the spec's window; softmax in float32."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if spec.window is not None:
+        allowed &= k_pos[None, :] >= spec.first_key(q_pos[:, None])
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    if sinks is not None:
+        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return torch.einsum("hts,shd->thd", probs, v.float()).to(q.dtype)
+
+
+# ---------------------------------------------------------------------------- recurrent
+def run_recurrent(batch: Batch, spec, layer: int, h: torch.Tensor, mixer) -> torch.Tensor:
+    """Each request's recurrent mixer over its new tokens, from the state in its slot:
+    `mixer(x [T, D], states) -> (out [T, ...], states)` where states are the layer's
+    tensors for one slot (the pool's conv and recurrent state). The state is copied out
+    at each capture position; every write waits for Batch.commit (after the last
+    layer)."""
+    mp = batch.pools[spec.name]
+    outs = []
+    for r, inp in enumerate(batch.inputs):
+        a, b = batch.bounds[r], batch.bounds[r + 1]
+        states = tuple(t[inp.state_slot] for t in mp.layer_tensors(layer))
+        s, T = inp.start, b - a
+        cuts = sorted(p - s for p in inp.capture if s < p <= s + T)
+        x, lo = h[a:b], 0
+        for hi in cuts + [T]:
+            if hi > lo:
+                o, states = mixer(x[lo:hi], states)
+                outs.append(o)
+            slot = inp.capture.get(s + hi)
+            if slot is not None:
+                batch.commits.append((mp, layer, slot, states))
+            lo = hi
+        batch.commits.append((mp, layer, inp.state_slot, states))
+    return torch.cat(outs)
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias=None, act=None):
+    """A depthwise causal conv over x [T, C], starting from the last K-1 inputs
+    conv_state [C, K-1], kernel weight [C, K]. Returns (y [T, C], the new conv state)."""
+    K = weight.shape[-1]
+    seq = torch.cat((conv_state.t().to(x.dtype), x), dim=0)  # [K-1+T, C]
+    T = x.shape[0]
+    y = sum(seq[j:j + T] * weight[:, j] for j in range(K))
+    if bias is not None:
+        y = y + bias
+    if act == "silu":
+        y = F.silu(y)
+    return y, seq[-(K - 1):].t().contiguous() if K > 1 else conv_state

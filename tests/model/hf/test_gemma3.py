@@ -1,0 +1,26 @@
+"""Gemma 3 (text) from a checkpoint directory, exact against transformers."""
+import pytest
+from harness import COMMON, family_checks, make_checkpoint
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    S, F = "sliding_attention", "full_attention"
+    cfg = Gemma3TextConfig(**COMMON, num_hidden_layers=6, head_dim=16, layer_types=[S] * 5 + [F],
+                           sliding_window=16, query_pre_attn_scalar=16)
+    return make_checkpoint(str(tmp_path_factory.mktemp("gemma3")), Gemma3ForCausalLM, cfg)
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_gemma3_is_exact_through_every_tier(gemma3, make_engine, tmp_path, page):
+    family_checks(gemma3, make_engine, tmp_path, page)
+
+
+def test_gemma3_layers_become_components(gemma3):
+    from uniradix.model.hf import load_checkpoint
+    m = load_checkpoint(gemma3)
+    assert [s.name for s in m.states().specs] == ["full", "swa"]
+    assert m.states().layers("swa")[0].spec.window == 16
