@@ -7,20 +7,32 @@ import os
 
 import torch
 
+import importlib
+import importlib.util
+
 from .checkpoint import Checkpoint, read_checkpoint
 from .family import HFModel
-from .gemma3 import Gemma3
 
-FAMILIES: list[type[HFModel]] = [Gemma3]
+#: one module per family (model/hf/<module>.py), each with one HFModel subclass
+FAMILY_MODULES = {"gemma3": "Gemma3", "qwen3_next": "Qwen3Next", "gpt_oss": "GptOss",
+                  "granite_hybrid": "GraniteHybrid", "nemotron_h": "NemotronH"}
+
+
+def families() -> list[type[HFModel]]:
+    out = []
+    for module, cls in FAMILY_MODULES.items():
+        if importlib.util.find_spec(f"{__name__}.{module}") is not None:
+            out.append(getattr(importlib.import_module(f"{__name__}.{module}"), cls))
+    return out
 
 
 def supported() -> list[str]:
-    return sorted(t for f in FAMILIES for t in f.model_types)
+    return sorted(t for f in families() for t in f.model_types)
 
 
 def family_for(ckpt: Checkpoint) -> type[HFModel]:
     mt = ckpt.model_type
-    for f in FAMILIES:
+    for f in families():
         if mt in f.model_types:
             return f
     raise ValueError(f"{ckpt.path}: architecture {mt!r} ({', '.join(ckpt.get('architectures') or [])}) is not "
@@ -37,4 +49,4 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> HFModel:
     return family_for(ckpt)(ckpt, dtype)
 
 
-__all__ = ["FAMILIES", "HFModel", "Checkpoint", "read_checkpoint", "load_checkpoint", "supported"]
+__all__ = ["FAMILY_MODULES", "families", "HFModel", "Checkpoint", "read_checkpoint", "load_checkpoint", "supported"]
