@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -25,11 +26,19 @@ def engine_from_args(a: argparse.Namespace):
     from .engine import Engine
     from .model import preset
     config = engine_config_from_args(a)
+    path = a.model_path
+    if path is not None and (os.path.isdir(path) or path.endswith(".gguf")):
+        import torch
+
+        from .model.hf import load_checkpoint
+        model, weights = load_checkpoint(path, getattr(torch, a.dtype)), None
+    else:  # the embedded model, seeded or with a safetensors file of weights
+        model, weights = preset(a.model_preset), path
     storage = None
     if config.storage.hicache_storage_backend:
         from .hicache.backends import make_backend
         storage = make_backend(config.storage.hicache_storage_backend, config.storage.backend_settings())
-    return Engine(preset(a.model_preset), config, weights=a.model_path, storage=storage)
+    return Engine(model, config, weights=weights, storage=storage)
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -52,17 +61,21 @@ def cmd_run(a: argparse.Namespace) -> int:
     except (ValueError, OSError, ImportError, RuntimeError) as e:  # RuntimeError: StorageUnavailable
         print(f"uniradix run: {e}", file=sys.stderr)
         return 2
-    cfg = engine.cfg
-    print(f"uniradix run: {a.model_preset} (layers {cfg.pattern}), page size {a.page_size}, "
+    model = engine.model
+    chat = model.tokenizer if getattr(model.tokenizer, "chat_template", None) else None
+    layers = " ".join(f"{spec.name} x{len(ls)}" for spec, ls in model.states().groups if ls)
+    what = a.model_preset if model.name == "reference" else f"{model.name} from {a.model_path}"
+    print(f"uniradix run: {what} ({layers}), page size {a.page_size}, "
           f"{wl.clients} clients x {wl.rounds} rounds, {wl.tokens_per_round} new tokens and "
-          f"{wl.output_tokens} output tokens per round, shared prefix {wl.shared_prefix_tokens}, "
-          f"cache {'off' if a.disable_radix_cache else 'on'}, device {engine.device}")
+          f"{wl.output_tokens} output tokens per round, shared prefix {wl.shared_prefix_tokens}"
+          f"{', chat' if chat else ''}, cache {'off' if a.disable_radix_cache else 'on'}, device {engine.device}")
     bar = None
     if not a.no_progress:
         from tqdm import tqdm
         bar = tqdm(total=wl.requests, desc="requests", unit="req", file=sys.stderr, leave=False)
     try:
-        reports = run_multiturn(engine, wl, (lambda r: bar.update(1)) if bar else None)
+        transcript: list = []
+        reports = run_multiturn(engine, wl, (lambda r: bar.update(1)) if bar else None, chat, transcript)
     finally:
         engine.close()
         if engine.storage is not None:
@@ -75,6 +88,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     else:
         _print_rounds(reports)
         _print_engine(engine, a)
+        if transcript:
+            last = [m for m in transcript if m["role"] in ("user", "assistant")][-2:]
+            print("client 0, last turn:\n" + "\n".join(f"  {m['role']}: {m['content']!r}" for m in last))
     if failed:
         why = list(dict.fromkeys(m for r in reports for m in r.error_messages))
         print(f"uniradix run: {failed} of {sum(r.requests for r in reports)} requests failed; "

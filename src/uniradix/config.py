@@ -232,8 +232,11 @@ class ModelSettings(Settings):
 
     model_preset: str = setting("tiny-hybrid", "layer layout of the embedded reference model (tiny-hybrid: F+S+M)",
                                 check=text)
-    model_path: str | None = setting(None, "a safetensors file of weights for the preset "
-                                           "(default: seeded weights)", check=optional(text))
+    model_path: str | None = setting(None, "a Hugging Face checkpoint directory or a .gguf file to serve, or a "
+                                           "safetensors file of weights for the preset (default: the preset, "
+                                           "seeded)", check=optional(text))
+    dtype: str = setting("float32", "weights and KV dtype of a checkpoint (bfloat16 for a GPU; recurrent "
+                                    "states stay float32)", choices=("float32", "bfloat16", "float16"))
 
 
 GROUPS = {"cache": CacheConfig, "host": HostTierConfig, "storage": StorageConfig,

@@ -85,13 +85,21 @@ class RoundReport:
                     error_messages=list(self.error_messages))
 
 
-def run_multiturn(engine, workload: MultiTurnWorkload, progress=None) -> list[RoundReport]:
+def run_multiturn(engine, workload: MultiTurnWorkload, progress=None, chat=None,
+                  transcript: list | None = None) -> list[RoundReport]:
     """Drive `engine` (anything with `run(requests, progress)` taking Requests) through
     the workload; each client's next prompt is its last prompt + the output + new tokens.
-    Returns one report per round."""
+    With `chat` (a tokenizer with apply_chat_template and decode, a real checkpoint's),
+    the conversations are text: each turn adds a user message of about
+    `tokens_per_round` tokens of words, the prompt is the chat template over the whole
+    conversation, and the reply is decoded into the next turn's history (text in, text
+    out). Returns one report per round; with `chat`, `transcript` (a list) receives the
+    first client's conversation."""
     from ..engine import Request, SamplingParams
 
     rng = random.Random(workload.seed)
+    if chat is not None:
+        return _run_chat(engine, workload, progress, chat, rng, transcript)
     V = workload.vocab_size
 
     def fresh(n):
@@ -104,16 +112,58 @@ def run_multiturn(engine, workload: MultiTurnWorkload, progress=None) -> list[Ro
     for rnd in range(workload.rounds):
         reqs = [Request(input_ids=list(c), sampling=sampling, session_id=f"client-{i}")
                 for i, c in enumerate(convs)]
-        t0 = time.perf_counter()
-        engine.run(reqs, progress)
-        wall = time.perf_counter() - t0
-        ok = [r for r in reqs if r.status == "finished"]
-        why = list(dict.fromkeys(r.error or r.status for r in reqs if r.status != "finished"))
-        reports.append(RoundReport(
-            rnd + 1, len(reqs), sum(r.metrics.prompt_tokens for r in ok),
-            sum(r.metrics.cached_tokens for r in ok), sum(r.metrics.computed_tokens for r in ok),
-            wall, [r.metrics.ttft for r in ok], len(reqs) - len(ok), why))
+        reports.append(_round(engine, rnd, reqs, progress))
         convs = [r.input_ids + r.output_ids + fresh(workload.tokens_per_round) for r in reqs]
     for i in range(workload.clients):
         engine.close_session(f"client-{i}")
+    return reports
+
+
+def _round(engine, rnd: int, reqs: list, progress) -> RoundReport:
+    t0 = time.perf_counter()
+    engine.run(reqs, progress)
+    wall = time.perf_counter() - t0
+    ok = [r for r in reqs if r.status == "finished"]
+    why = list(dict.fromkeys(r.error or r.status for r in reqs if r.status != "finished"))
+    return RoundReport(rnd + 1, len(reqs), sum(r.metrics.prompt_tokens for r in ok),
+                       sum(r.metrics.cached_tokens for r in ok), sum(r.metrics.computed_tokens for r in ok),
+                       wall, [r.metrics.ttft for r in ok], len(reqs) - len(ok), why)
+
+
+WORDS = ("the cache keeps what a later request can resume from, page by page, and the tree decides "
+         "which slots stay on the device, which go down to the host, and which are written to shared "
+         "storage so another engine can read them back; every layer kind asks its own question of a "
+         "reuse point, and the answer is the deepest boundary that all of them accept").split()
+
+
+def _run_chat(engine, workload, progress, tok, rng, transcript) -> list[RoundReport]:
+    from ..engine import Request, SamplingParams
+
+    def words(n_tokens: int) -> str:
+        out, n = [], 0
+        while n < n_tokens:
+            w = rng.choice(WORDS)
+            out.append(w)
+            n += len(tok.encode(" " + w, add_special_tokens=False))
+        return " ".join(out)
+
+    system = words(workload.shared_prefix_tokens) if workload.shared_prefix_tokens else None
+    convs = []
+    for _ in range(workload.clients):
+        msgs = [{"role": "system", "content": system}] if system else []
+        convs.append(msgs + [{"role": "user", "content": words(workload.first_tokens)}])
+    eos = tuple(getattr(engine.model, "eos_token_ids", ()) or ())
+    sampling = SamplingParams(max_new_tokens=workload.output_tokens, stop_ids=eos)
+    reports = []
+    for rnd in range(workload.rounds):
+        reqs = [Request(input_ids=tok.encode_chat(m), sampling=sampling, session_id=f"client-{i}")
+                for i, m in enumerate(convs)]
+        reports.append(_round(engine, rnd, reqs, progress))
+        for m, r in zip(convs, reqs):
+            m.append({"role": "assistant", "content": tok.decode(r.output_ids)})
+            m.append({"role": "user", "content": words(workload.tokens_per_round)})
+    for i in range(workload.clients):
+        engine.close_session(f"client-{i}")
+    if transcript is not None:
+        transcript.extend(convs[0][:-1])
     return reports
