@@ -14,7 +14,7 @@ from .checkpoint import Checkpoint, read_checkpoint
 from .family import HFModel
 
 #: one module per family (model/hf/<module>.py), each with one HFModel subclass
-FAMILY_MODULES = {"gemma3": "Gemma3", "qwen3_next": "Qwen3Next", "gpt_oss": "GptOss",
+FAMILY_MODULES = {"qwen3": "Qwen3", "gemma3": "Gemma3", "qwen3_next": "Qwen3Next", "gpt_oss": "GptOss",
                   "granite_hybrid": "GraniteHybrid", "nemotron_h": "NemotronH"}
 
 
