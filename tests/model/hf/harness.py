@@ -51,6 +51,42 @@ def save_tokenizer(out: str) -> None:
     fast.save_pretrained(out)
 
 
+# Tiny checkpoints of every family (the notes' configs): name -> (model class, config
+# class, the config's arguments), all transformers' own classes.
+L, F, S = "linear_attention", "full_attention", "sliding_attention"
+TINY = {
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(num_hidden_layers=3, head_dim=16)),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig",
+               dict(num_hidden_layers=6, head_dim=16, layer_types=[S] * 5 + [F], sliding_window=16,
+                    query_pre_attn_scalar=16)),
+    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig",
+                   dict(num_hidden_layers=4, head_dim=16, layer_types=[L, L, L, F], linear_conv_kernel_dim=4,
+                        linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                        linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=32)),
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig",
+                dict(num_hidden_layers=4, head_dim=16, layer_types=[S, F, S, F], sliding_window=16,
+                     num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)),
+    "granite_hybrid": ("GraniteMoeHybridForCausalLM", "GraniteMoeHybridConfig",
+                       dict(num_hidden_layers=4, layer_types=[L, L, F, L], mamba_n_heads=8, mamba_d_head=16,
+                            mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=64,
+                            num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=64,
+                            position_embedding_type=None)),
+    "nemotron_h": ("NemotronHForCausalLM", "NemotronHConfig",
+                   dict(layers_block_type=[L, "mlp", F, "mlp", L, "mlp"], head_dim=16, mamba_num_heads=8,
+                        mamba_head_dim=16, ssm_state_size=16, n_groups=1, conv_kernel=4, chunk_size=64,
+                        expand=2)),
+}
+
+
+def make_tiny(name: str, out: str) -> str:
+    """The tiny checkpoint of a family (TINY), saved under `out`."""
+    import transformers
+    model_cls, config_cls, kw = TINY[name]
+    cfg = getattr(transformers, config_cls)(**{**COMMON, **kw})
+    return make_checkpoint(out, getattr(transformers, model_cls), cfg)
+
+
 def make_checkpoint(out: str, model_cls, config) -> str:
     """Seeded random weights for `config`, saved with the tokenizer; returns `out`."""
     torch.manual_seed(0)
