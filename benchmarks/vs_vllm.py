@@ -119,9 +119,11 @@ def main() -> None:
           f"{'uniradix tok/s':>15} {'x':>6}")
     for r in summary:
         vh, vt = r.get("vllm_hit"), r.get("vllm_tok_s")
-        print(f"{r['model']:<10} {vh if vh is None else f'{vh:.1%}':>9} {r['uniradix_hit']:>13.1%} "
-              f"{'-' if not vh else f'{r['uniradix_hit'] / vh:.2f}':>6} {'-' if vt is None else f'{vt:,.0f}':>11} "
-              f"{r['uniradix_tok_s']:>15,.0f} {'-' if not vt else f'{r['uniradix_tok_s'] / vt:.2f}':>6}")
+        cells = ["-" if vh is None else f"{vh:.1%}", f"{r['uniradix_hit']:.1%}",
+                 "-" if not vh else f"{r['uniradix_hit'] / vh:.2f}", "-" if vt is None else f"{vt:,.0f}",
+                 f"{r['uniradix_tok_s']:,.0f}", "-" if not vt else f"{r['uniradix_tok_s'] / vt:.2f}"]
+        print(f"{r['model']:<10} {cells[0]:>9} {cells[1]:>13} {cells[2]:>6} {cells[3]:>11} {cells[4]:>15} "
+              f"{cells[5]:>6}")
     print(json.dumps(summary))
 
 
