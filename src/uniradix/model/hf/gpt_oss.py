@@ -1,0 +1,129 @@
+"""gpt-oss: sliding-window and full attention layers alternating (sliding first), each
+with per-head attention sinks, q/k/v/o biases and YaRN RoPE; plain-w RMSNorms (in
+float32, weights in float32); a mixture of experts per layer: a biased router, softmax
+over its top-k logits, experts with fused gate/up weights [E, in, 2I] (gate and up
+interleaved) and biases, and a clamped SwiGLU ((up + 1) * gate * sigmoid(alpha * gate)).
+
+Expert weights quantized as MXFP4 (`*_blocks` uint8 [E, rows, G, 16], two FP4 values a
+byte, low nibble first; `*_scales` uint8 [E, rows, G], the exponent + 127 of each group
+of 32) are dequantized at load: every FP4 value times a power of two is exact in float32
+(and bfloat16), so the weights are the ones transformers dequantizes."""
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import rope_parameters
+from .family import HFModel
+from .ops import apply_rope, paged_attention, rms_norm, rope_cos_sin, rope_inv_freq
+
+#: the 16 values of an FP4 (E2M1) code, sign bit highest
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str = "?") -> torch.Tensor:
+    """MXFP4 expert weights in float32, laid out as transformers' experts hold them:
+    blocks [E, R, G, B] and scales [E, R, G] (as stored) -> [E, G * B * 2, R]."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"{name}: MXFP4 blocks and scales must be uint8 (got {blocks.dtype}, {scales.dtype})")
+    if blocks.dim() != 4 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"{name}: MXFP4 blocks {tuple(blocks.shape)} do not match scales {tuple(scales.shape)} "
+                         f"(expected blocks [E, rows, groups, bytes] and scales [E, rows, groups])")
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    E, R, G, B = blocks.shape
+    vals = torch.empty(E, R, G, B * 2, dtype=torch.float32, device=blocks.device)
+    vals[..., 0::2] = lut[(blocks & 0x0F).long()]
+    vals[..., 1::2] = lut[(blocks >> 4).long()]
+    vals = torch.ldexp(vals, (scales.to(torch.int32) - 127)[..., None])
+    if not torch.isfinite(vals).all():
+        raise ValueError(f"{name}: an MXFP4 scale overflows float32 (exponent above 127)")
+    return vals.reshape(E, R, G * B * 2).transpose(1, 2).contiguous()
+
+
+def yarn_parameters(params: dict, config: dict) -> dict:
+    """gpt-oss's RoPE setup as transformers reads it: a YaRN config without `factor`
+    takes max_position_embeddings / original_max_position_embeddings."""
+    params = dict(params)
+    if params.get("rope_type") == "yarn" and params.get("factor") is None:
+        params["factor"] = config["max_position_embeddings"] / params["original_max_position_embeddings"]
+    return params
+
+
+class GptOss(HFModel):
+    model_types = ("gpt_oss",)
+
+    def __init__(self, ckpt, dtype=torch.float32) -> None:
+        super().__init__(ckpt, dtype)
+        c = self.config
+        self.eps = c.get("rms_norm_eps", 1e-5)
+        self.heads, self.kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
+        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.heads
+        self.scale = self.head_dim ** -0.5
+        self.top_k = c.get("num_experts_per_tok") or c.get("experts_per_token") or 4
+        self.alpha = c.get("swiglu_alpha", 1.702)
+        self.limit = c.get("swiglu_limit", 7.0)
+        self.experts = c.get("num_local_experts") or c.get("num_experts")
+        self._dequantize()
+        params = rope_parameters(c)
+        if params is None:  # the config's own default (GptOssConfig: YaRN x32 over 4096, theta 150k)
+            params = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}
+        self.rope = rope_inv_freq(yarn_parameters(params, c), self.head_dim, c.get("max_position_embeddings"))
+        self.lm_head = self.weights.get("lm_head.weight", self.w("model.embed_tokens.weight"))
+
+    def _dequantize(self) -> None:
+        """Replace each `<name>_blocks` / `<name>_scales` pair with `<name>` in the model's dtype."""
+        for name in [n for n in self.weights if n.endswith("_blocks")]:
+            base = name.removesuffix("_blocks")
+            scales = self.weights.get(base + "_scales")
+            if scales is None:
+                raise ValueError(f"{self.ckpt.path}: {name!r} has no {base + '_scales'!r} (MXFP4 needs both)")
+            w = dequantize_mxfp4(self.weights.pop(name), self.weights.pop(base + "_scales"), name)
+            self.weights[base] = w.to(self.dtype)
+        left = [n for n in self.weights if n.endswith("_scales")]
+        if left:
+            raise ValueError(f"{self.ckpt.path}: {left[0]!r} has no matching '_blocks' tensor")
+
+    def embed(self, ids):
+        return self.w("model.embed_tokens.weight")[ids]
+
+    def block(self, i, x, batch):
+        p = f"model.layers.{i}."
+        w = self.w
+        N = x.shape[0]
+        h = rms_norm(x, w(p + "input_layernorm.weight"), self.eps)
+        q = self._linear(h, p + "self_attn.q_proj").view(N, self.heads, self.head_dim)
+        k = self._linear(h, p + "self_attn.k_proj").view(N, self.kv_heads, self.head_dim)
+        v = self._linear(h, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
+        inv, scaling = self.rope
+        cos, sin = rope_cos_sin(batch.pos, inv, scaling, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale, sinks=w(p + "self_attn.sinks"))
+        x = x + self._linear(a.reshape(N, -1), p + "self_attn.o_proj")
+        h = rms_norm(x, w(p + "post_attention_layernorm.weight"), self.eps)
+        return x + self.moe(p + "mlp.", h)
+
+    def _linear(self, h, name):
+        return F.linear(h, self.w(name + ".weight"), self.weights.get(name + ".bias"))
+
+    def moe(self, p, h):
+        """The router's top-k experts per token, weighted by a softmax over their logits."""
+        w = self.w
+        logits = F.linear(h, w(p + "router.weight"), w(p + "router.bias"))
+        top, idx = torch.topk(logits, self.top_k, dim=-1)
+        weights = top.softmax(-1)
+        gate_up, gate_up_b = w(p + "experts.gate_up_proj"), w(p + "experts.gate_up_proj_bias")
+        down, down_b = w(p + "experts.down_proj"), w(p + "experts.down_proj_bias")
+        out = torch.zeros_like(h)
+        for e in idx.unique().tolist():
+            tok, slot = torch.where(idx == e)
+            gu = h[tok] @ gate_up[e] + gate_up_b[e]
+            gate = gu[:, 0::2].clamp(max=self.limit)
+            up = gu[:, 1::2].clamp(min=-self.limit, max=self.limit)
+            y = ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ down[e] + down_b[e]
+            out.index_add_(0, tok, (y * weights[tok, slot, None]).to(h.dtype))
+        return out
+
+    def head(self, x):
+        return rms_norm(x, self.w("model.norm.weight"), self.eps) @ self.lm_head.t()
