@@ -1,0 +1,223 @@
+"""Granite-4.0-H (granitemoehybrid): Mamba2 layers and full-attention layers (no RoPE
+unless position_embedding_type is "rope"), each followed by a MoE block with a shared
+SwiGLU MLP; μP multipliers on the embedding, the attention scale, both residuals and the
+logits.
+
+The Mamba2 mixer lives here and Nemotron-H imports it: in_proj to (z, xBC, dt), a
+depthwise causal conv over xBC (the pool keeps its last K-1 inputs), SiLU, the selective
+scan with dt = clamp(softplus(dt + dt_bias)), A = -exp(A_log), a float32 state
+[heads, head_dim, d_state] per request and the D skip, then the grouped RMSNorm gated by
+SiLU(z) and out_proj. The scan runs token by token, so any split of a sequence (chunked
+prefill, captures, a resumed checkpoint) reaches the same state as the whole of it."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ...specs import RecurrentShape
+from .checkpoint import FULL, LINEAR, MAMBA, rope_parameters
+from .family import RECURRENT, HFModel
+from .ops import apply_rope, causal_conv, paged_attention, rms_norm_llama, rope_cos_sin, rope_inv_freq, \
+    run_recurrent
+
+
+def config_float(v, default: float | None = None) -> float | None:
+    """A number from config.json; transformers writes inf as {"__float__": "Infinity"}."""
+    if v is None:
+        return default
+    if isinstance(v, dict):
+        v = v.get("__float__", default)
+    return float(v)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+# ---------------------------------------------------------------------------- Mamba2
+class Mamba2:
+    """One Mamba2 mixer's sizes and weights (`prefix`: the mixer's module path in the
+    checkpoint, e.g. "model.layers.3.mamba.")."""
+
+    def __init__(self, model: HFModel, prefix: str, *, heads: int, head_dim: int, d_state: int, groups: int,
+                 conv_kernel: int, eps: float, dt_limit: tuple, act: str = "silu") -> None:
+        self.heads, self.head_dim, self.d_state, self.groups = heads, head_dim, d_state, groups
+        self.inner = heads * head_dim
+        self.conv_dim = self.inner + 2 * groups * d_state
+        self.K = conv_kernel
+        self.eps = eps
+        self.dt_lo, self.dt_hi = dt_limit
+        if act not in ("silu", "swish"):
+            raise ValueError(f"{model.ckpt.path}: Mamba2 activation {act!r} is not supported (silu)")
+        self.model, self.prefix = model, prefix
+        conv_w, in_w = self.w("conv1d.weight"), self.w("in_proj.weight")
+        if conv_w.shape[0] != self.conv_dim or conv_w.shape[-1] != self.K:
+            raise ValueError(f"{model.ckpt.path}: {prefix}conv1d.weight is {tuple(conv_w.shape)}, the config "
+                             f"gives {self.conv_dim} channels and kernel {self.K}")
+        want = self.inner + self.conv_dim + heads
+        if in_w.shape[0] != want:
+            raise ValueError(f"{model.ckpt.path}: {prefix}in_proj has {in_w.shape[0]} rows, the config "
+                             f"gives {want} (z {self.inner}, xBC {self.conv_dim}, dt {heads})")
+
+    def w(self, name: str) -> torch.Tensor:
+        """A weight of this mixer, looked up at use (the model may have moved them)."""
+        return self.model.w(self.prefix + name)
+
+    def b(self, name: str) -> torch.Tensor | None:
+        return self.model.weights.get(self.prefix + name)
+
+    def shape(self, dtype: torch.dtype) -> RecurrentShape:
+        return RecurrentShape(conv_shape=(self.conv_dim, self.K - 1),
+                              state_shape=(self.heads, self.head_dim, self.d_state),
+                              conv_dtype=str(dtype).removeprefix("torch."), state_dtype="float32")
+
+    def __call__(self, batch, spec, layer: int, h: torch.Tensor) -> torch.Tensor:
+        """The mixer over the batch's normed hidden states h [N, D]: returns [N, D]."""
+        proj = linear(h, self.w("in_proj.weight"), self.b("in_proj.bias"))
+        z = proj[:, :self.inner]
+        y = run_recurrent(batch, spec, layer, proj[:, self.inner:], self.scan)
+        return linear(self.gated_norm(y, z).to(h.dtype), self.w("out_proj.weight"), self.b("out_proj.bias"))
+
+    def scan(self, xbcdt: torch.Tensor, states):
+        """One request's run of tokens [T, conv_dim + heads] from (conv state, ssm state):
+        returns (y [T, inner] in float32, the new states). Token by token: the state after
+        any prefix is the state a split there resumes from."""
+        conv_state, ssm = states
+        T = xbcdt.shape[0]
+        H, P, N, G = self.heads, self.head_dim, self.d_state, self.groups
+        xbc, dt = xbcdt[:, :self.conv_dim], xbcdt[:, self.conv_dim:]
+        xbc, conv_state = causal_conv(xbc, conv_state, self.w("conv1d.weight").reshape(self.conv_dim, self.K),
+                                      self.b("conv1d.bias"), act="silu")
+        x = xbc[:, :self.inner].float().view(T, H, P)
+        B = xbc[:, self.inner:self.inner + G * N].float().view(T, G, N).repeat_interleave(H // G, dim=1)
+        C = xbc[:, self.inner + G * N:].float().view(T, G, N).repeat_interleave(H // G, dim=1)
+        dt = F.softplus(dt + self.w("dt_bias").to(dt.dtype))
+        dt = torch.clamp(dt, min=self.dt_lo, max=self.dt_hi).float()  # [T, H]
+        decay = torch.exp(dt * -torch.exp(self.w("A_log").float()))  # [T, H]; A = -exp(A_log)
+        xdt = x * dt[:, :, None]  # [T, H, P]
+        s = ssm.float()
+        y = torch.empty_like(x)
+        for t in range(T):
+            s = s * decay[t][:, None, None] + xdt[t][:, :, None] * B[t][:, None, :]
+            y[t] = (s @ C[t][:, :, None]).squeeze(-1)
+        y = y + self.w("D").float()[:, None] * x
+        return y.reshape(T, H * P), (conv_state, s.to(ssm.dtype))
+
+    def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over each group of y * SiLU(z), in float32, scaled by the weight."""
+        g = y.float() * F.silu(z.float())
+        g = g.view(g.shape[0], self.groups, -1)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.w("norm.weight").float() * g.reshape(y.shape[0], -1)
+
+
+# ---------------------------------------------------------------------------- Granite
+class GraniteHybrid(HFModel):
+    model_types = ("granitemoehybrid",)
+
+    def __init__(self, ckpt, dtype=torch.float32) -> None:
+        super().__init__(ckpt, dtype)
+        c = self.config
+        self.eps = c.get("rms_norm_eps", 1e-6)
+        self.heads = c["num_attention_heads"]
+        self.kv_heads = c.get("num_key_value_heads") or self.heads
+        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.heads
+        self.scale = config_float(c.get("attention_multiplier"), 1.0)
+        self.embedding_multiplier = config_float(c.get("embedding_multiplier"), 1.0)
+        self.residual_multiplier = config_float(c.get("residual_multiplier"), 1.0)
+        self.logits_scaling = config_float(c.get("logits_scaling"), 1.0)
+        self.act = c.get("hidden_act", "silu")
+        if self.act not in ("silu", "swish"):
+            raise ValueError(f"{ckpt.path}: hidden_act {self.act!r} is not supported (silu)")
+        pe = c.get("position_embedding_type")
+        if pe not in (None, "rope", "nope"):
+            raise ValueError(f"{ckpt.path}: position_embedding_type {pe!r} is not supported (None or rope)")
+        self.rope = rope_inv_freq(rope_parameters(c), self.head_dim, c.get("max_position_embeddings")) \
+            if pe == "rope" else None
+        self.top_k = c.get("num_experts_per_tok", 2)
+        self.experts = c.get("num_local_experts", 0) or 0
+        inner = int(c.get("mamba_expand", 2) * c["hidden_size"])
+        heads = c.get("mamba_n_heads", 128)
+        head_dim = c.get("mamba_d_head", "auto")
+        head_dim = inner // heads if head_dim in (None, "auto") else head_dim
+        limit = c.get("time_step_limit") or (0.0, math.inf)
+        self.mixers = {i: Mamba2(self, f"model.layers.{i}.mamba.", heads=heads, head_dim=head_dim,
+                                 d_state=c.get("mamba_d_state", 256), groups=c.get("mamba_n_groups", 1),
+                                 conv_kernel=c.get("mamba_d_conv", 4), eps=self.eps,
+                                 dt_limit=(config_float(limit[0], 0.0), config_float(limit[1], math.inf)))
+                       for i, k in enumerate(self.kinds) if k in (LINEAR, MAMBA)}
+        for i, k in enumerate(self.kinds):
+            if k not in (FULL, LINEAR, MAMBA):
+                raise ValueError(f"{ckpt.path}: layer {i} is {k!r}; granitemoehybrid has Mamba2 and full "
+                                 f"attention layers")
+
+    def recurrent_shape(self, i):
+        return self.mixers[i].shape(self.dtype)
+
+    def embed(self, ids):
+        return self.w("model.embed_tokens.weight")[ids] * self.embedding_multiplier
+
+    def attention(self, i, h, batch):
+        p = f"model.layers.{i}.self_attn."
+        N = h.shape[0]
+        b = self.weights.get
+        q = linear(h, self.w(p + "q_proj.weight"), b(p + "q_proj.bias")).view(N, self.heads, self.head_dim)
+        k = linear(h, self.w(p + "k_proj.weight"), b(p + "k_proj.bias")).view(N, self.kv_heads, self.head_dim)
+        v = linear(h, self.w(p + "v_proj.weight"), b(p + "v_proj.bias")).view(N, self.kv_heads, self.head_dim)
+        if self.rope is not None:
+            inv, scaling = self.rope
+            cos, sin = rope_cos_sin(batch.pos, inv, scaling, q.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale)
+        return linear(a.reshape(N, -1), self.w(p + "o_proj.weight"), b(p + "o_proj.bias"))
+
+    def block(self, i, x, batch):
+        p = f"model.layers.{i}."
+        h = rms_norm_llama(x, self.w(p + "input_layernorm.weight"), self.eps)
+        if i in self.mixers:
+            h = self.mixers[i](batch, RECURRENT, i, h)
+        else:
+            h = self.attention(i, h, batch)
+        x = x + h * self.residual_multiplier
+        h = rms_norm_llama(x, self.w(p + "post_attention_layernorm.weight"), self.eps)
+        m = self.shared_mlp(p + "shared_mlp.", h)
+        if self.experts > 0:
+            m = self.moe(p + "block_sparse_moe.", h) + m
+        return x + m * self.residual_multiplier
+
+    def shared_mlp(self, p, h):
+        gate, up = linear(h, self.w(p + "input_linear.weight")).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, self.w(p + "output_linear.weight"))
+
+    def moe(self, p, h):
+        """Top-k of the router's logits, softmax over those k, SwiGLU experts."""
+        router = self.weights.get(p + "router.layer.weight")
+        if router is None:
+            router = self.w(p + "router.weight")
+        gate_up = self.weights.get(p + "input_linear.weight")
+        if gate_up is None:
+            gate_up = self.w(p + "experts.gate_up_proj")
+        down = self.weights.get(p + "output_linear.weight")
+        if down is None:
+            down = self.w(p + "experts.down_proj")
+        logits = linear(h, router).float()
+        top, idx = logits.topk(self.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1).to(h.dtype)
+        out = torch.zeros_like(h)
+        for e in idx.unique().tolist():
+            rows, slot = torch.where(idx == e)
+            gate, up = linear(h[rows], gate_up[e]).chunk(2, dim=-1)
+            y = linear(F.silu(gate) * up, down[e]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+    def head(self, x):
+        x = rms_norm_llama(x, self.w("model.norm.weight"), self.eps)
+        lm_head = self.weights.get("lm_head.weight")
+        lm_head = lm_head if lm_head is not None else self.w("model.embed_tokens.weight")  # tied
+        return linear(x, lm_head) / self.logits_scaling
+
+
+__all__ = ["GraniteHybrid", "Mamba2", "config_float"]
