@@ -57,9 +57,9 @@ def check_exact(engine: Engine, req: Request, oracle=None, tol: float = TOL) -> 
     assert len(req.logits) == len(out), (len(req.logits), len(out))
     oracle = oracle or engine.model.reference
     ref = oracle(prompt + out[:-1])[len(prompt) - 1:]
-    got = torch.stack([row.float() for row in req.logits])
+    got = torch.stack([row.double() for row in req.logits])
     assert got.shape == ref.shape, (got.shape, ref.shape)
-    diff = (got - ref.to(got.dtype)).abs().max().item()
+    diff = (got - ref.double()).abs().max().item()
     assert diff < tol, f"request {req.rid}: logits differ from the oracle by {diff}"
     if req.sampling.temperature == 0:
         assert ref.argmax(-1).tolist() == out, f"request {req.rid}: greedy tokens differ from the oracle"

@@ -1,0 +1,218 @@
+"""Qwen3-Next and Qwen3.5 (text; dense and MoE): gated delta-net (GDN) linear-attention
+layers with gated full-attention layers (by default every fourth).
+
+Full-attention layers: q_proj gives per head [q | gate] (the output is scaled by
+sigmoid(gate) before o_proj), QK-norm, partial RoPE (partial_rotary_factor, default
+0.25), scale head_dim^-1/2. GDN layers: a depthwise causal conv (kernel K, SiLU) over
+[q | k | v], L2-normalised q and k (q also scaled by dk^-1/2), a per-head decay
+g = -exp(A_log) * softplus(a + dt_bias) and write strength beta = sigmoid(b), the gated
+delta rule on a float32 state [Hv, dk, dv] (each key head serves Hv/Hk value heads), and
+an RMSNorm (plain w) of the output times silu(z). Every main RMSNorm scales by (1 + w).
+
+Qwen3-Next projects [q|k|v|z] and [b|a] with one fused matrix each, grouped by key head;
+Qwen3.5 has separate in_proj_qkv / z / b / a. Qwen3-Next and Qwen3.5-MoE use sparse MoE
+blocks (softmax over all experts, top-k, optionally renormalised, plus a shared expert
+gated by a sigmoid); Qwen3.5 dense has a SwiGLU MLP. The multimodal Qwen3.5 wrapper keeps
+the text model's weights under model.language_model.*.
+
+The recurrence runs token by token, so any split of a sequence (chunked prefill, a
+capture at any position, a resume from a checkpoint) reaches the same state; the conv
+state keeps the last K-1 conv inputs (transformers keeps K, of which K-1 matter)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...specs import RecurrentShape
+from .checkpoint import FULL, LINEAR, rope_parameters
+from .family import RECURRENT, HFModel
+from .ops import apply_rope, causal_conv, paged_attention, rms_norm, rope_cos_sin, rope_inv_freq, run_recurrent
+
+
+class Qwen3Next(HFModel):
+    model_types = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+
+    def __init__(self, ckpt, dtype=torch.float32) -> None:
+        super().__init__(ckpt, dtype)
+        c = self.config
+        if not c.get("layer_types"):  # older configs: every `full_attention_interval`-th layer is full
+            every = c.get("full_attention_interval", 4)
+            self.kinds = [FULL if (i + 1) % every == 0 else LINEAR for i in range(c["num_hidden_layers"])]
+        self.eps = c.get("rms_norm_eps", 1e-6)
+        # attention
+        self.heads, self.kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
+        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.heads
+        rope = rope_parameters(c, FULL) or {"rope_type": "default", "rope_theta": 10000.0}
+        rope.setdefault("partial_rotary_factor", 0.25)  # the classes' default when the config names none
+        self.rope = rope_inv_freq(rope, self.head_dim, c.get("max_position_embeddings"))
+        # gated delta-net
+        self.k_heads, self.v_heads = c["linear_num_key_heads"], c["linear_num_value_heads"]
+        self.dk, self.dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+        self.conv_kernel = c.get("linear_conv_kernel_dim", 4)
+        self.key_dim, self.value_dim = self.k_heads * self.dk, self.v_heads * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        if self.v_heads % self.k_heads:
+            raise ValueError(f"{ckpt.path}: linear_num_value_heads ({self.v_heads}) is not a multiple of "
+                             f"linear_num_key_heads ({self.k_heads})")
+        if c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{ckpt.path}: hidden_act {c.get('hidden_act')!r} is not supported (silu)")
+        # weight names: the text model's own, or under the multimodal wrapper's language_model
+        self.prefix = "model.language_model." if self.has("model.language_model.embed_tokens.weight") else "model."
+        self.embed_w = self.w(self.prefix + "embed_tokens.weight")
+        self.lm_head = self.weights.get("lm_head.weight", self.embed_w)
+        self.top_k = c.get("num_experts_per_tok")
+        self.norm_topk = c.get("norm_topk_prob", True)
+
+    # ------------------------------------------------------------------ layer list
+    def recurrent_shape(self, i: int) -> RecurrentShape:
+        return RecurrentShape(conv_shape=(self.conv_dim, self.conv_kernel - 1),
+                              state_shape=(self.v_heads, self.dk, self.dv),
+                              conv_dtype=str(self.dtype).removeprefix("torch."), state_dtype="float32")
+
+    # ------------------------------------------------------------------ forward
+    def embed(self, ids):
+        return self.embed_w[ids]
+
+    def head(self, x):
+        return rms_norm(x, self.w(self.prefix + "norm.weight"), self.eps, 1.0) @ self.lm_head.t()
+
+    def block(self, i, x, batch):
+        p = f"{self.prefix}layers.{i}."
+        h = rms_norm(x, self.w(p + "input_layernorm.weight"), self.eps, 1.0)
+        if self.kinds[i] == LINEAR:
+            h = self._gdn(i, p + "linear_attn.", h, batch)
+        else:
+            h = self._attention(i, p + "self_attn.", h, batch)
+        x = x + h
+        h = rms_norm(x, self.w(p + "post_attention_layernorm.weight"), self.eps, 1.0)
+        if self.has(p + "mlp.gate.weight"):
+            return x + self._moe(p + "mlp.", h)
+        return x + self._mlp(p + "mlp.", h)
+
+    def _linear(self, name: str, h: torch.Tensor) -> torch.Tensor:
+        y = h @ self.w(name + ".weight").t()
+        bias = self.weights.get(name + ".bias")
+        return y + bias if bias is not None else y
+
+    # ------------------------------------------------------------------ gated attention
+    def _attention(self, i, p, h, batch):
+        N, d = h.shape[0], self.head_dim
+        qg = self._linear(p + "q_proj", h).view(N, self.heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(N, self.heads * d)
+        k = self._linear(p + "k_proj", h).view(N, self.kv_heads, d)
+        v = self._linear(p + "v_proj", h).view(N, self.kv_heads, d)
+        q = rms_norm(q, self.w(p + "q_norm.weight"), self.eps, 1.0)
+        k = rms_norm(k, self.w(p + "k_norm.weight"), self.eps, 1.0)
+        inv, scaling = self.rope
+        cos, sin = rope_cos_sin(batch.pos, inv, scaling, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        a = paged_attention(batch, self.spec(i), i, q, k, v, scale=d ** -0.5)
+        return self._linear(p + "o_proj", a.reshape(N, -1) * torch.sigmoid(gate))
+
+    # ------------------------------------------------------------------ gated delta-net
+    def _projections(self, p, h):
+        """[q|k|v] (the conv's input, [N, conv_dim]), z [N, Hv, dv], b and a [N, Hv]."""
+        N, Hk, Hv = h.shape[0], self.k_heads, self.v_heads
+        if self.has(p + "in_proj_qkvz.weight"):  # Qwen3-Next: fused, grouped by key head
+            r = Hv // Hk
+            qkvz = (h @ self.w(p + "in_proj_qkvz.weight").t()).view(N, Hk, 2 * self.dk + 2 * r * self.dv)
+            q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+            b, a = (h @ self.w(p + "in_proj_ba.weight").t()).view(N, Hk, 2 * r).split([r, r], dim=-1)
+            qkv = torch.cat((q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)), dim=-1)
+            return qkv, z.reshape(N, Hv, self.dv), b.reshape(N, Hv), a.reshape(N, Hv)
+        qkv = h @ self.w(p + "in_proj_qkv.weight").t()
+        z = (h @ self.w(p + "in_proj_z.weight").t()).view(N, Hv, self.dv)
+        return qkv, z, h @ self.w(p + "in_proj_b.weight").t(), h @ self.w(p + "in_proj_a.weight").t()
+
+    def _gdn(self, i, p, h, batch):
+        N = h.shape[0]
+        qkv, z, b, a = self._projections(p, h)
+        beta = torch.sigmoid(b)
+        g = -self.w(p + "A_log").float().exp() * F.softplus(a.float() + self.w(p + "dt_bias"))
+        # the mixer reads one tensor per token: [q|k|v] (exact in float32 whatever the model's
+        # dtype), beta and g
+        packed = torch.cat((qkv.float(), beta.float(), g), dim=-1)
+        conv_w = self.w(p + "conv1d.weight").reshape(self.conv_dim, self.conv_kernel)
+        conv_b = self.weights.get(p + "conv1d.bias")
+        dtype = h.dtype
+
+        def mixer(x, states):
+            conv_state, state = states
+            # the conv accumulates in float32 and rounds once to the model's dtype, then SiLU
+            # (as a depthwise F.conv1d does); its inputs are the model's dtype's values
+            y, window = causal_conv(x[:, :self.conv_dim], conv_state, conv_w.float(),
+                                    None if conv_b is None else conv_b.float())
+            y, conv_state = F.silu(y.to(dtype)), window.to(conv_state.dtype)
+            Hv = self.v_heads
+            beta_t, g_t = x[:, self.conv_dim:self.conv_dim + Hv], x[:, self.conv_dim + Hv:]
+            out, state = self._delta_rule(y, beta_t, g_t, state)
+            return out.to(dtype), (conv_state, state)
+
+        core = run_recurrent(batch, RECURRENT, i, packed, mixer).view(N, self.v_heads, self.dv)
+        out = _gated_rms_norm(core, z, self.w(p + "norm.weight"), self.eps)
+        return self._linear(p + "out_proj", out.reshape(N, -1))
+
+    def _delta_rule(self, y, beta, g, state):
+        """The gated delta rule, one token at a time, in float32, from `state` [Hv, dk, dv]:
+        y [T, conv_dim] the conv's output, beta and g [T, Hv]. Returns (out [T, Hv, dv], the
+        new state)."""
+        T, Hk, Hv = y.shape[0], self.k_heads, self.v_heads
+        q, k, v = y.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = _l2norm(q.view(T, Hk, self.dk)) * self.dk ** -0.5
+        k = _l2norm(k.view(T, Hk, self.dk))
+        if Hv != Hk:  # each key head serves Hv / Hk consecutive value heads
+            q, k = q.repeat_interleave(Hv // Hk, dim=1), k.repeat_interleave(Hv // Hk, dim=1)
+        v = v.view(T, Hv, self.dv)
+        decay = g.exp()
+        S = state.float()
+        out = torch.empty(T, Hv, self.dv, dtype=torch.float32, device=y.device)
+        for t in range(T):
+            S = S * decay[t, :, None, None]
+            kt = k[t]
+            recalled = (S * kt[:, :, None]).sum(1)                      # [Hv, dv]: k^T S
+            delta = (v[t] - recalled) * beta[t, :, None]
+            S = S + kt[:, :, None] * delta[:, None, :]
+            out[t] = (S * q[t][:, :, None]).sum(1)
+        return out, S
+
+    # ------------------------------------------------------------------ MLP and MoE
+    def _mlp(self, p, h):
+        return self._linear(p + "down_proj", F.silu(self._linear(p + "gate_proj", h)) * self._linear(p + "up_proj", h))
+
+    def _moe(self, p, h):
+        logits = h @ self.w(p + "gate.weight").t()
+        probs = logits.softmax(-1, dtype=torch.float32)
+        top, idx = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk:
+            top = top / top.sum(-1, keepdim=True)
+        top = top.to(logits.dtype)
+        out = torch.zeros_like(h)
+        fused = self.has(p + "experts.gate_up_proj")
+        for e in idx.unique().tolist():  # ascending, as transformers adds them
+            tok, slot = torch.where(idx == e)
+            xe = h[tok]
+            if fused:  # transformers' in-memory layout: gate_up [E, 2I, D], down [E, D, I]
+                gate, up = (xe @ self.w(p + "experts.gate_up_proj")[e].t()).chunk(2, dim=-1)
+                ye = (F.silu(gate) * up) @ self.w(p + "experts.down_proj")[e].t()
+            else:
+                ye = self._mlp(f"{p}experts.{e}.", xe)
+            out.index_add_(0, tok, (ye * top[tok, slot, None]).to(out.dtype))
+        if self.has(p + "shared_expert.gate_proj.weight"):
+            shared = self._mlp(p + "shared_expert.", h)
+            if self.has(p + "shared_expert_gate.weight"):
+                shared = torch.sigmoid(h @ self.w(p + "shared_expert_gate.weight").t()) * shared
+            out = out + shared
+        return out
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (normalised in float32, cast back, scaled by plain w),
+    times silu(z) in float32, cast back to x's dtype."""
+    y = x.float()
+    y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
+    y = w * y.to(x.dtype)
+    return (y * F.silu(z.float())).to(x.dtype)
