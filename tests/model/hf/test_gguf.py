@@ -79,9 +79,10 @@ def gemma_vocab() -> tuple[list[str], list[int]]:
 
 
 # ---------------------------------------------------------------------------- writing GGUF
-def write_gguf(path: str, config: dict, tensors: dict, quantized: bool, pattern=None, extra=None) -> dict:
+def write_gguf(path: str, config: dict, tensors: dict, quantized: bool, pattern=None, extra=None,
+               chat: str | None = CHAT) -> dict:
     """`tensors` (HF names) as llama.cpp's converter writes Gemma 3 (and `extra`, GGUF
-    names to float32 arrays, as they are); returns what each tensor holds after the
+    names to float32 arrays, as they are; `chat` the template, None for none); returns what each tensor holds after the
     writer's rounding, dequantized, under its HF name (norms as w)."""
     w = gguf.GGUFWriter(path, "gemma3")
     w.add_name("tiny gemma3")
@@ -111,7 +112,8 @@ def write_gguf(path: str, config: dict, tensors: dict, quantized: bool, pattern=
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     w.add_add_space_prefix(False)
-    w.add_chat_template(CHAT)
+    if chat is not None:
+        w.add_chat_template(chat)
     held = {}
     for hf, t in tensors.items():
         if quantized and hf == "lm_head.weight":
@@ -155,7 +157,8 @@ def tiny(tmp_path_factory):
     out["f32"] = str(root / "tiny-f32.gguf")
     out["f32_held"] = write_gguf(out["f32"], config, tensors, quantized=False)
     out["quant"] = str(root / "tiny-quant.gguf")
-    out["quant_held"] = write_gguf(out["quant"], config, tensors, quantized=True, pattern=[True] * 5 + [False])
+    out["quant_held"] = write_gguf(out["quant"], config, tensors, quantized=True, pattern=[True] * 5 + [False],
+                                   chat=None)
     return out
 
 
@@ -257,6 +260,21 @@ def test_tokenizer_encodes_as_transformers_gguf_tokenizer(tiny):
     assert ours.apply_chat_template(msgs) == "<bos><start_of_turn>user\nHi  there<end_of_turn>\n<start_of_turn>model\n"
     assert ours.encode_chat(msgs) == theirs.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
                                                                 return_dict=False)
+
+
+def test_a_file_without_a_template_gets_gemmas_turns(tiny):
+    """The real Gemma 3 270M file carries no template; Gemma's turn tokens select its format
+    (a system message opens the first user turn, the assistant speaks as `model`)."""
+    from uniradix.model.hf.gguf import read_gguf
+    tok = read_gguf(tiny["quant"]).tokenizer
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": " Hello! "}, {"role": "user", "content": "Why?"}]
+    assert tok.apply_chat_template(msgs) == ("<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n"
+                                             "<start_of_turn>model\nHello!<end_of_turn>\n"
+                                             "<start_of_turn>user\nWhy?<end_of_turn>\n<start_of_turn>model\n")
+    ids = tok.encode_chat(msgs)
+    assert ids[0] == 2 and ids.count(2) == 1  # one bos, from the template
+    assert tok.decode(ids, skip_special_tokens=False).count("<start_of_turn>") == 4
 
 
 @pytest.mark.parametrize("variant", ["f32", "quant"])

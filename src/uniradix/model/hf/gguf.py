@@ -262,7 +262,21 @@ def _tokenizer(meta: _Metadata):
     settings = {k: v for k, v in specials.items() if v is not None}
     settings.update(add_bos_token=add_bos, add_eos_token=add_eos)
     template = meta.get("tokenizer.chat_template")
-    return HFTokenizer(tok, settings, template if isinstance(template, str) else None)
+    if not isinstance(template, str):
+        # a file without a template gets Gemma's turn format when its vocabulary has the turn
+        # tokens (llama.cpp picks its built-in template the same way)
+        template = _GEMMA_TURNS if all(t in vocab for t in ("<start_of_turn>", "<end_of_turn>")) else None
+    return HFTokenizer(tok, settings, template)
+
+
+#: Gemma's chat format: turns of user and model; a system message opens the first user turn
+_GEMMA_TURNS = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% set ns.system = m['content'] + '\n\n' %}"
+    "{% else %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{% if m['role'] == 'user' %}{{ ns.system }}{% set ns.system = '' %}{% endif %}"
+    "{{ m['content'] | trim }}<end_of_turn>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 
 
 def _merges(tokens: list[str], vocab: dict) -> list[tuple[str, str]]:
