@@ -121,19 +121,16 @@ class Batch:
         self.device = device
         self.ids = torch.as_tensor([t for i in inputs for t in i.tokens], dtype=torch.long, device=device)
         self.pos = torch.cat([torch.arange(i.start, i.end, device=device) for i in inputs])
-        self._spans: dict = {}
+        self._plans: dict = {}
         self.commits: list = []
 
-    def spans(self, spec) -> list:
-        """Per request, where its keys of KV component `spec` live (from the first key the
-        first new token reads: the tree's rule)."""
-        sp = self._spans.get(spec.name)
-        if sp is None:
-            P = self.pools[spec.name].page_size
-            sp = self._spans[spec.name] = [
-                _Span(i.pages[spec.name], P, max(0, spec.first_key(i.start)), i.start, i.end, self.device)
-                for i in self.inputs]
-        return sp
+    def plan(self, spec) -> "_Plan":
+        """Where the keys of KV component `spec` live for this batch (from the first key
+        each request's first new token reads: the tree's rule), grouped for attention."""
+        plan = self._plans.get(spec.name)
+        if plan is None:
+            plan = self._plans[spec.name] = _Plan(self, spec)
+        return plan
 
     def commit(self) -> None:
         """Write the recurrent states computed by every layer into their slots."""
@@ -143,24 +140,65 @@ class Batch:
         self.commits = []
 
 
-class _Span:
-    """Where one request's K/V lives for one KV component: the pages of [lo, end), the
-    offset of lo in the first page, and each new token's page and offset."""
+class _Plan:
+    """One KV component's view of a batch: the flat pool slot (page * page_size + offset)
+    of every new token, and the attention groups: every single-token request (decode) in
+    one group, padded to its longest key span, each longer request in a group of its own.
+    A group is (rows [B, T] of the batch, key slots [B, S], allowed [B, T, S])."""
 
-    __slots__ = ("idx", "off", "lo", "k_pos", "w_page", "w_off")
+    __slots__ = ("write", "groups")
 
-    def __init__(self, pages, P: int, lo: int, start: int, end: int, device) -> None:
-        first, last = lo // P, -(-end // P)
-        window = list(pages[first:last])
-        if len(window) < last - first or min(window, default=0) < 0:
-            raise ValueError(f"a page needed for positions [{lo}, {end}) is absent")
-        self.idx = torch.as_tensor(window, dtype=torch.long, device=device)
-        self.off = lo - first * P
-        self.lo = lo
-        self.k_pos = torch.arange(lo, end, device=device)
-        new = range(start, end)
-        self.w_page = torch.as_tensor([pages[p // P] for p in new], dtype=torch.long, device=device)
-        self.w_off = torch.as_tensor([p % P for p in new], dtype=torch.long, device=device)
+    def __init__(self, batch: Batch, spec) -> None:
+        P = batch.pools[spec.name].page_size
+        dev = batch.device
+        spans, writes = [], []
+        for r, inp in enumerate(batch.inputs):
+            lo = max(0, spec.first_key(inp.start))
+            slots = _slots(inp.pages[spec.name], P, lo, inp.end, dev)
+            writes.append(slots[inp.start - lo:])
+            spans.append((r, lo, slots))
+        self.write = torch.cat(writes)
+        self.groups = []
+        singles = [sp for sp in spans if batch.lens[sp[0]] == 1]
+        if singles:
+            S = max(len(slots) for _, _, slots in singles)
+            rows = torch.as_tensor([[batch.bounds[r]] for r, _, _ in singles], dtype=torch.long, device=dev)
+            keys = torch.zeros(len(singles), S, dtype=torch.long, device=dev)
+            k_pos = torch.full((len(singles), S), -1, dtype=torch.long, device=dev)
+            for j, (r, lo, slots) in enumerate(singles):
+                keys[j, :len(slots)] = slots
+                k_pos[j, :len(slots)] = torch.arange(lo, lo + len(slots), device=dev)
+            q_pos = batch.pos[rows]                                          # [B, 1]
+            self.groups.append((rows, keys, _allowed(spec, q_pos, k_pos)))
+        for r, lo, slots in spans:
+            if batch.lens[r] == 1:
+                continue
+            a, b = batch.bounds[r], batch.bounds[r + 1]
+            rows = torch.arange(a, b, device=dev)[None]
+            k_pos = torch.arange(lo, lo + len(slots), device=dev)[None]
+            self.groups.append((rows, slots[None], _allowed(spec, batch.pos[rows], k_pos)))
+
+
+def _slots(pages, P: int, lo: int, end: int, device) -> torch.Tensor:
+    """Flat pool slots of positions [lo, end) of a request whose pages are `pages`."""
+    first, last = lo // P, -(-end // P)
+    window = list(pages[first:last])
+    if len(window) < last - first or min(window, default=0) < 0:
+        raise ValueError(f"a page needed for positions [{lo}, {end}) is absent")
+    idx = torch.as_tensor(window, dtype=torch.long, device=device)
+    if P == 1:
+        return idx
+    flat = (idx[:, None] * P + torch.arange(P, device=device)).flatten()
+    return flat[lo - first * P:end - first * P]
+
+
+def _allowed(spec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """[B, T, S]: key k_pos [B, S] is visible to the query at q_pos [B, T] (causal, within
+    the spec's window; padding has k_pos -1)."""
+    allowed = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] >= 0)
+    if spec.window is not None:
+        allowed &= k_pos[:, None, :] >= spec.first_key(q_pos)[:, :, None]
+    return allowed
 
 
 # ---------------------------------------------------------------------------- attention
@@ -171,39 +209,43 @@ def paged_attention(batch: Batch, spec, layer: int, q: torch.Tensor, k: torch.Te
     from spec.first_key). `sinks` [H]: per-head logits that join each softmax (gpt-oss);
     `softcap`: scores go through cap * tanh(score / cap). Returns [N, H, d]."""
     pool = batch.pools[spec.name]
-    kp, vp = pool.k(layer), pool.v(layer)
+    kp, vp = pool.k(layer).flatten(0, 1), pool.v(layer).flatten(0, 1)   # [slots, KV, d] views
+    plan = batch.plan(spec)
+    kp[plan.write] = k.to(kp.dtype)
+    vp[plan.write] = v.to(vp.dtype)
     out = torch.empty_like(q)
-    for r, sp in enumerate(batch.spans(spec)):
-        a, b = batch.bounds[r], batch.bounds[r + 1]
-        kp[sp.w_page, sp.w_off] = k[a:b].to(kp.dtype)
-        vp[sp.w_page, sp.w_off] = v[a:b].to(vp.dtype)
-        n = b - a + batch.inputs[r].start - sp.lo
-        keys = kp[sp.idx].flatten(0, 1)[sp.off:sp.off + n].to(q.dtype)
-        vals = vp[sp.idx].flatten(0, 1)[sp.off:sp.off + n].to(q.dtype)
-        out[a:b] = attend(q[a:b], keys, vals, batch.pos[a:b], sp.k_pos, spec, scale, sinks, softcap)
+    for rows, slots, allowed in plan.groups:
+        out[rows] = attend(q[rows], kp[slots].to(q.dtype), vp[slots].to(q.dtype), allowed, scale, sinks, softcap)
     return out
 
 
-def attend(q, k, v, q_pos, k_pos, spec, scale: float, sinks=None, softcap=None) -> torch.Tensor:
-    """Grouped-query attention of q [T, H, d] at q_pos over k, v [S, KV, d] at k_pos,
-    masked by causality and the spec's window; softmax in float32."""
-    rep = q.shape[1] // k.shape[1]
+def attend(q, k, v, allowed, scale: float, sinks=None, softcap=None) -> torch.Tensor:
+    """Grouped-query attention of q [B, T, H, d] over k, v [B, S, KV, d] where `allowed`
+    [B, T, S], in float32. Sinks join each softmax as a key of score `sink` and value 0."""
+    B, T, H, d = q.shape
+    qh, kh, vh = q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2)
+    if softcap is None:
+        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=q.device).masked_fill_(~allowed, float("-inf"))
+        mask = mask[:, None]                                                  # [B, 1, T, S]
+        if sinks is not None:
+            zero = kh.new_zeros(B, kh.shape[1], 1, d)
+            kh, vh = torch.cat((kh, zero), dim=2), torch.cat((vh, zero), dim=2)
+            sink = sinks.float()[None, :, None, None].expand(B, H, T, 1)
+            mask = torch.cat((mask.expand(B, H, T, -1), sink), dim=-1)
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                           enable_gqa=kh.shape[1] != H)
+        return o.transpose(1, 2).to(q.dtype)
+    rep = H // kh.shape[1]
     if rep > 1:
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
-    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    allowed = k_pos[None, :] <= q_pos[:, None]
-    if spec.window is not None:
-        allowed &= k_pos[None, :] >= spec.first_key(q_pos[:, None])
-    scores = scores.masked_fill(~allowed[None], float("-inf"))
+        kh, vh = kh.repeat_interleave(rep, dim=1), vh.repeat_interleave(rep, dim=1)
+    scores = torch.tanh((qh @ kh.transpose(-1, -2)) * scale / softcap) * softcap
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
     if sinks is not None:
-        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        sink = sinks.float()[None, :, None, None].expand(B, H, T, 1)
         probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
     else:
         probs = scores.softmax(-1)
-    return torch.einsum("hts,shd->thd", probs, v.float()).to(q.dtype)
+    return (probs @ vh).transpose(1, 2).to(q.dtype)
 
 
 # ---------------------------------------------------------------------------- recurrent

@@ -163,6 +163,8 @@ class Qwen3Next(HFModel):
         if Hv != Hk:  # each key head serves Hv / Hk consecutive value heads
             q, k = q.repeat_interleave(Hv // Hk, dim=1), k.repeat_interleave(Hv // Hk, dim=1)
         v = v.view(T, Hv, self.dv)
+        if T >= CHUNK_FROM:
+            return _chunked_delta_rule(q, k, v, beta.float(), g.float(), state.float())
         decay = g.exp()
         S = state.float()
         out = torch.empty(T, Hv, self.dv, dtype=torch.float32, device=y.device)
@@ -203,6 +205,36 @@ class Qwen3Next(HFModel):
                 shared = torch.sigmoid(h @ self.w(p + "shared_expert_gate.weight").t()) * shared
             out = out + shared
         return out
+
+
+#: from this many tokens a piece runs the chunked form (decode steps stay token by token)
+CHUNK_FROM = 8
+CHUNK = 64
+
+
+def _chunked_delta_rule(q, k, v, beta, g, S):
+    """The same recurrence as the token loop, CHUNK tokens at a time. Within a chunk,
+    with G_i the cumulative log decay and u_i the value token i writes,
+    u_i = beta_i (v_i - e^G_i k_i.S0 - sum_{j<i} e^(G_i-G_j) (k_i.k_j) u_j): one unit
+    lower-triangular solve; then o_i = e^G_i q_i.S0 + sum_{j<=i} e^(G_i-G_j) (q_i.k_j) u_j
+    and the state leaves as e^G_C S0 + sum_j e^(G_C-G_j) k_j u_j^T. q, k [T, H, dk],
+    v [T, H, dv], beta, g [T, H] (g the log decay), S [H, dk, dv]; all float32."""
+    T = q.shape[0]
+    outs = []
+    for c0 in range(0, T, CHUNK):
+        qc, kc, vc = (x[c0:c0 + CHUNK].transpose(0, 1) for x in (q, k, v))    # [H, C, d]
+        bc, G = beta[c0:c0 + CHUNK].t(), g[c0:c0 + CHUNK].t().cumsum(-1)     # [H, C]
+        C = G.shape[1]
+        below = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        ratio = (G[:, :, None] - G[:, None, :]).masked_fill(~below, float("-inf")).exp()  # e^(G_i-G_j), j<=i
+        eG = G.exp()[..., None]
+        A = bc[..., None] * ratio * (kc @ kc.transpose(-1, -2))
+        rhs = bc[..., None] * (vc - eG * (kc @ S))
+        U = torch.linalg.solve_triangular(A, rhs, upper=False, unitriangular=True)
+        outs.append((eG * (qc @ S) + (ratio * (qc @ kc.transpose(-1, -2))) @ U).transpose(0, 1))
+        last = G[:, -1:]
+        S = last.exp()[..., None] * S + (kc * (last - G).exp()[..., None]).transpose(-1, -2) @ U
+    return torch.cat(outs), S
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
