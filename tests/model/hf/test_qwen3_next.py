@@ -180,3 +180,31 @@ def test_legacy_config_keys(qwen3_next, tmp_path):
     assert old.kinds == new.kinds
     ids = toks(random.Random(5), 20)
     assert torch.equal(old.reference(ids), new.reference(ids))
+
+
+def test_per_expert_tensors_load_as_the_fused_ones(qwen3_next, tmp_path):
+    """Older files (and vLLM's test checkpoints) store each expert's gate/up/down on its
+    own; they load into the same fused experts and give the same logits, bit for bit."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from uniradix.model.hf import load_checkpoint
+    split = tmp_path / "split"
+    shutil.copytree(qwen3_next, split)
+    tensors, out = load_file(str(split / "model.safetensors")), {}
+    for name, t in tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            p = name.removesuffix("gate_up_proj")
+            for e, (gate, up) in enumerate(t.chunk(2, dim=1) for t in t):
+                out[f"{p}{e}.gate_proj.weight"], out[f"{p}{e}.up_proj.weight"] = gate.clone(), up.clone()
+        elif name.endswith("experts.down_proj"):
+            p = name.removesuffix("down_proj")
+            out.update({f"{p}{e}.down_proj.weight": d.clone() for e, d in enumerate(t)})
+        else:
+            out[name] = t
+    assert any(".experts.3.up_proj." in n for n in out)
+    save_file(out, str(split / "model.safetensors"))
+    old, new = load_checkpoint(str(split)), load_checkpoint(qwen3_next)
+    assert not any(".experts.0." in n for n in old.weights)
+    ids = toks(random.Random(6), 30)
+    assert torch.equal(old.reference(ids), new.reference(ids))

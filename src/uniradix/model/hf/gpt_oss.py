@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .checkpoint import rope_parameters
 from .family import HFModel
-from .ops import apply_rope, paged_attention, rms_norm, rope_cos_sin, rope_inv_freq
+from .ops import FEW_TOKENS, apply_rope, paged_attention, rms_norm, rope_cos_sin, rope_inv_freq
 
 #: the 16 values of an FP4 (E2M1) code, sign bit highest
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -115,15 +115,22 @@ class GptOss(HFModel):
         weights = top.softmax(-1)
         gate_up, gate_up_b = w(p + "experts.gate_up_proj"), w(p + "experts.gate_up_proj_bias")
         down, down_b = w(p + "experts.down_proj"), w(p + "experts.down_proj_bias")
+        if h.shape[0] <= FEW_TOKENS:  # each token's experts gathered: one call, not one per expert
+            gu = torch.einsum("nd,nkdi->nki", h, gate_up[idx]) + gate_up_b[idx]
+            y = torch.einsum("nki,nkid->nkd", self._glu(gu), down[idx]) + down_b[idx]
+            return (y * weights[..., None]).sum(1).to(h.dtype)
         out = torch.zeros_like(h)
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
-            gu = h[tok] @ gate_up[e] + gate_up_b[e]
-            gate = gu[:, 0::2].clamp(max=self.limit)
-            up = gu[:, 1::2].clamp(min=-self.limit, max=self.limit)
-            y = ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ down[e] + down_b[e]
+            y = self._glu(h[tok] @ gate_up[e] + gate_up_b[e]) @ down[e] + down_b[e]
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(h.dtype))
         return out
+
+    def _glu(self, gu):
+        """The clamped SwiGLU over interleaved gate/up columns."""
+        gate = gu[..., 0::2].clamp(max=self.limit)
+        up = gu[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def head(self, x):
         return rms_norm(x, self.w("model.norm.weight"), self.eps) @ self.lm_head.t()

@@ -17,6 +17,11 @@ import torch.nn.functional as F
 from ..paged import PagedInput
 
 
+#: a batch of at most this many tokens (decode) runs its MoE experts gathered per token,
+#: in one call, rather than looping over the experts it uses
+FEW_TOKENS = 16
+
+
 # ---------------------------------------------------------------------------- norms
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, offset: float = 0.0) -> torch.Tensor:
     """RMSNorm in float32, scaled by (offset + w) (offset 1.0: Gemma's and Qwen3-Next's

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from ...specs import RecurrentShape
 from .checkpoint import FULL, LINEAR, rope_parameters
 from .family import RECURRENT, HFModel
-from .ops import apply_rope, causal_conv, paged_attention, rms_norm, rope_cos_sin, rope_inv_freq, run_recurrent
+from .ops import FEW_TOKENS, apply_rope, causal_conv, paged_attention, rms_norm, rope_cos_sin, rope_inv_freq, run_recurrent
 
 
 class Qwen3Next(HFModel):
@@ -62,6 +62,20 @@ class Qwen3Next(HFModel):
         self.lm_head = self.weights.get("lm_head.weight", self.embed_w)
         self.top_k = c.get("num_experts_per_tok")
         self.norm_topk = c.get("norm_topk_prob", True)
+        self._fuse_experts()
+
+    def _fuse_experts(self) -> None:
+        """Per-expert projections (experts.{e}.gate_proj/up_proj/down_proj, older files) as
+        transformers' fused in-memory layout: gate_up [E, 2I, D], down [E, D, I]."""
+        for name in [n for n in self.weights if n.endswith(".mlp.experts.0.gate_proj.weight")]:
+            p = name.removesuffix("0.gate_proj.weight")
+            E = 0
+            while self.has(f"{p}{E}.gate_proj.weight"):
+                E += 1
+            part = lambda e, proj: self.weights.pop(f"{p}{e}.{proj}.weight")  # noqa: E731
+            self.weights[p + "gate_up_proj"] = torch.stack(
+                [torch.cat((part(e, "gate_proj"), part(e, "up_proj"))) for e in range(E)])
+            self.weights[p + "down_proj"] = torch.stack([part(e, "down_proj") for e in range(E)])
 
     # ------------------------------------------------------------------ layer list
     def recurrent_shape(self, i: int) -> RecurrentShape:
@@ -188,17 +202,18 @@ class Qwen3Next(HFModel):
         if self.norm_topk:
             top = top / top.sum(-1, keepdim=True)
         top = top.to(logits.dtype)
-        out = torch.zeros_like(h)
-        fused = self.has(p + "experts.gate_up_proj")
-        for e in idx.unique().tolist():  # ascending, as transformers adds them
-            tok, slot = torch.where(idx == e)
-            xe = h[tok]
-            if fused:  # transformers' in-memory layout: gate_up [E, 2I, D], down [E, D, I]
-                gate, up = (xe @ self.w(p + "experts.gate_up_proj")[e].t()).chunk(2, dim=-1)
-                ye = (F.silu(gate) * up) @ self.w(p + "experts.down_proj")[e].t()
-            else:
-                ye = self._mlp(f"{p}experts.{e}.", xe)
-            out.index_add_(0, tok, (ye * top[tok, slot, None]).to(out.dtype))
+        gate_up, down = self.w(p + "experts.gate_up_proj"), self.w(p + "experts.down_proj")
+        if h.shape[0] <= FEW_TOKENS:  # each token's experts gathered: one call, not one per expert
+            gate, up = torch.einsum("nd,nkid->nki", h, gate_up[idx]).chunk(2, dim=-1)
+            ye = torch.einsum("nki,nkdi->nkd", F.silu(gate) * up, down[idx])
+            out = (ye * top[..., None]).sum(1)
+        else:
+            out = torch.zeros_like(h)
+            for e in idx.unique().tolist():  # ascending, as transformers adds them
+                tok, slot = torch.where(idx == e)
+                gate, up = (h[tok] @ gate_up[e].t()).chunk(2, dim=-1)
+                ye = (F.silu(gate) * up) @ down[e].t()
+                out.index_add_(0, tok, (ye * top[tok, slot, None]).to(out.dtype))
         if self.has(p + "shared_expert.gate_proj.weight"):
             shared = self._mlp(p + "shared_expert.", h)
             if self.has(p + "shared_expert_gate.weight"):
