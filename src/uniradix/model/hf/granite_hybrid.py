@@ -81,29 +81,29 @@ class Mamba2:
         return linear(self.gated_norm(y, z).to(h.dtype), self.w("out_proj.weight"), self.b("out_proj.bias"))
 
     def scan(self, xbcdt: torch.Tensor, states):
-        """One request's run of tokens [T, conv_dim + heads] from (conv state, ssm state):
-        returns (y [T, inner] in float32, the new states). Token by token: the state after
-        any prefix is the state a split there resumes from."""
+        """Tokens [B, T, conv_dim + heads] of B requests from their (conv state, ssm
+        state): returns (y [B, T, inner] in float32, the new states). Token by token: the
+        state after any prefix is the state a split there resumes from."""
         conv_state, ssm = states
-        T = xbcdt.shape[0]
+        Bn, T = xbcdt.shape[:2]
         H, P, N, G = self.heads, self.head_dim, self.d_state, self.groups
-        xbc, dt = xbcdt[:, :self.conv_dim], xbcdt[:, self.conv_dim:]
+        xbc, dt = xbcdt[..., :self.conv_dim], xbcdt[..., self.conv_dim:]
         xbc, conv_state = causal_conv(xbc, conv_state, self.w("conv1d.weight").reshape(self.conv_dim, self.K),
                                       self.b("conv1d.bias"), act="silu")
-        x = xbc[:, :self.inner].float().view(T, H, P)
-        B = xbc[:, self.inner:self.inner + G * N].float().view(T, G, N).repeat_interleave(H // G, dim=1)
-        C = xbc[:, self.inner + G * N:].float().view(T, G, N).repeat_interleave(H // G, dim=1)
+        x = xbc[..., :self.inner].float().view(Bn, T, H, P)
+        B = xbc[..., self.inner:self.inner + G * N].float().view(Bn, T, G, N).repeat_interleave(H // G, dim=2)
+        C = xbc[..., self.inner + G * N:].float().view(Bn, T, G, N).repeat_interleave(H // G, dim=2)
         dt = F.softplus(dt + self.w("dt_bias").to(dt.dtype))
-        dt = torch.clamp(dt, min=self.dt_lo, max=self.dt_hi).float()  # [T, H]
-        decay = torch.exp(dt * -torch.exp(self.w("A_log").float()))  # [T, H]; A = -exp(A_log)
-        xdt = x * dt[:, :, None]  # [T, H, P]
+        dt = torch.clamp(dt, min=self.dt_lo, max=self.dt_hi).float()  # [Bn, T, H]
+        decay = torch.exp(dt * -torch.exp(self.w("A_log").float()))  # [Bn, T, H]; A = -exp(A_log)
+        xdt = x * dt[..., None]  # [Bn, T, H, P]
         s = ssm.float()
         y = torch.empty_like(x)
         for t in range(T):
-            s = s * decay[t][:, None, None] + xdt[t][:, :, None] * B[t][:, None, :]
-            y[t] = (s @ C[t][:, :, None]).squeeze(-1)
+            s = s * decay[:, t, :, None, None] + xdt[:, t, :, :, None] * B[:, t, :, None, :]
+            y[:, t] = (s @ C[:, t, :, :, None]).squeeze(-1)
         y = y + self.w("D").float()[:, None] * x
-        return y.reshape(T, H * P), (conv_state, s.to(ssm.dtype))
+        return y.reshape(Bn, T, H * P), (conv_state, s.to(ssm.dtype))
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each group of y * SiLU(z), in float32, scaled by the weight."""

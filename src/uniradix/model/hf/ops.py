@@ -256,39 +256,64 @@ def attend(q, k, v, allowed, scale: float, sinks=None, softcap=None) -> torch.Te
 # ---------------------------------------------------------------------------- recurrent
 def run_recurrent(batch: Batch, spec, layer: int, h: torch.Tensor, mixer) -> torch.Tensor:
     """Each request's recurrent mixer over its new tokens, from the state in its slot:
-    `mixer(x [T, D], states) -> (out [T, ...], states)` where states are the layer's
-    tensors for one slot (the pool's conv and recurrent state). The state is copied out
-    at each capture position; every write waits for Batch.commit (after the last
-    layer)."""
+    `mixer(x [B, T, D], states) -> (out [B, T, ...], states)` where states are the
+    layer's tensors (the pool's conv and recurrent state) for B slots. Single-token
+    requests (decode) run together, B of them; a longer one runs alone, in pieces cut at
+    its capture positions, where its state is copied out. Every write waits for
+    Batch.commit (after the last layer). Returns [N, ...] in batch order."""
     mp = batch.pools[spec.name]
-    outs = []
+    bufs = mp.layer_tensors(layer)
+    pieces = []                                          # (rows of the batch, out [rows, ...])
+    singles = [r for r in range(len(batch.inputs)) if batch.lens[r] == 1]
+    if len(singles) < 2:
+        singles = []
+    if singles:
+        inputs = [batch.inputs[r] for r in singles]
+        slots = torch.as_tensor([inp.state_slot for inp in inputs], dtype=torch.long, device=h.device)
+        rows = torch.as_tensor([batch.bounds[r] for r in singles], dtype=torch.long, device=h.device)
+        o, states = mixer(h[rows][:, None], tuple(t[slots] for t in bufs))
+        pieces.append((rows, o[:, 0]))
+        for j, inp in enumerate(inputs):
+            mine = tuple(t[j] for t in states)
+            slot = inp.capture.get(inp.start + 1)
+            if slot is not None:
+                batch.commits.append((mp, layer, slot, mine))
+            batch.commits.append((mp, layer, inp.state_slot, mine))
+    alone = set(singles)
     for r, inp in enumerate(batch.inputs):
+        if r in alone:
+            continue
         a, b = batch.bounds[r], batch.bounds[r + 1]
-        states = tuple(t[inp.state_slot] for t in mp.layer_tensors(layer))
+        states = tuple(t[inp.state_slot][None] for t in bufs)
         s, T = inp.start, b - a
         cuts = sorted(p - s for p in inp.capture if s < p <= s + T)
-        x, lo = h[a:b], 0
+        x, lo = h[a:b][None], 0
         for hi in cuts + [T]:
             if hi > lo:
-                o, states = mixer(x[lo:hi], states)
-                outs.append(o)
+                o, states = mixer(x[:, lo:hi], states)
+                pieces.append((slice(a + lo, a + hi), o[0]))
             slot = inp.capture.get(s + hi)
             if slot is not None:
-                batch.commits.append((mp, layer, slot, states))
+                batch.commits.append((mp, layer, slot, tuple(t[0] for t in states)))
             lo = hi
-        batch.commits.append((mp, layer, inp.state_slot, states))
-    return torch.cat(outs)
+        batch.commits.append((mp, layer, inp.state_slot, tuple(t[0] for t in states)))
+    first = pieces[0][1]
+    out = first.new_empty((h.shape[0], *first.shape[1:]))
+    for rows, o in pieces:
+        out[rows] = o
+    return out
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias=None, act=None):
-    """A depthwise causal conv over x [T, C], starting from the last K-1 inputs
-    conv_state [C, K-1], kernel weight [C, K]. Returns (y [T, C], the new conv state)."""
+    """A depthwise causal conv over x [B, T, C], starting from the last K-1 inputs
+    conv_state [B, C, K-1], kernel weight [C, K]. Returns (y [B, T, C], the new conv
+    state)."""
     K = weight.shape[-1]
-    seq = torch.cat((conv_state.t().to(x.dtype), x), dim=0)  # [K-1+T, C]
-    T = x.shape[0]
-    y = sum(seq[j:j + T] * weight[:, j] for j in range(K))
+    seq = torch.cat((conv_state.transpose(-1, -2).to(x.dtype), x), dim=-2)  # [B, K-1+T, C]
+    T = x.shape[-2]
+    y = sum(seq[:, j:j + T] * weight[:, j] for j in range(K))
     if bias is not None:
         y = y + bias
     if act == "silu":
         y = F.silu(y)
-    return y, seq[-(K - 1):].t().contiguous() if K > 1 else conv_state
+    return y, seq[:, -(K - 1):].transpose(-1, -2).contiguous() if K > 1 else conv_state

@@ -154,11 +154,11 @@ class Qwen3Next(HFModel):
             conv_state, state = states
             # the conv accumulates in float32 and rounds once to the model's dtype, then SiLU
             # (as a depthwise F.conv1d does); its inputs are the model's dtype's values
-            y, window = causal_conv(x[:, :self.conv_dim], conv_state, conv_w.float(),
+            y, window = causal_conv(x[..., :self.conv_dim], conv_state, conv_w.float(),
                                     None if conv_b is None else conv_b.float())
             y, conv_state = F.silu(y.to(dtype)), window.to(conv_state.dtype)
             Hv = self.v_heads
-            beta_t, g_t = x[:, self.conv_dim:self.conv_dim + Hv], x[:, self.conv_dim + Hv:]
+            beta_t, g_t = x[..., self.conv_dim:self.conv_dim + Hv], x[..., self.conv_dim + Hv:]
             out, state = self._delta_rule(y, beta_t, g_t, state)
             return out.to(dtype), (conv_state, state)
 
@@ -167,28 +167,29 @@ class Qwen3Next(HFModel):
         return self._linear(p + "out_proj", out.reshape(N, -1))
 
     def _delta_rule(self, y, beta, g, state):
-        """The gated delta rule, one token at a time, in float32, from `state` [Hv, dk, dv]:
-        y [T, conv_dim] the conv's output, beta and g [T, Hv]. Returns (out [T, Hv, dv], the
-        new state)."""
-        T, Hk, Hv = y.shape[0], self.k_heads, self.v_heads
+        """The gated delta rule in float32 from `state` [B, Hv, dk, dv]: y [B, T, conv_dim]
+        the conv's output, beta and g [B, T, Hv]. Returns (out [B, T, Hv, dv], the new
+        state). Token by token, or in chunks for one request's longer piece."""
+        B, T, Hk, Hv = *y.shape[:2], self.k_heads, self.v_heads
         q, k, v = y.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = _l2norm(q.view(T, Hk, self.dk)) * self.dk ** -0.5
-        k = _l2norm(k.view(T, Hk, self.dk))
+        q = _l2norm(q.view(B, T, Hk, self.dk)) * self.dk ** -0.5
+        k = _l2norm(k.view(B, T, Hk, self.dk))
         if Hv != Hk:  # each key head serves Hv / Hk consecutive value heads
-            q, k = q.repeat_interleave(Hv // Hk, dim=1), k.repeat_interleave(Hv // Hk, dim=1)
-        v = v.view(T, Hv, self.dv)
-        if T >= CHUNK_FROM:
-            return _chunked_delta_rule(q, k, v, beta.float(), g.float(), state.float())
+            q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
+        v = v.view(B, T, Hv, self.dv)
+        beta, g, S = beta.float(), g.float(), state.float()
+        if T >= CHUNK_FROM and B == 1:
+            out, S = _chunked_delta_rule(q[0], k[0], v[0], beta[0], g[0], S[0])
+            return out[None], S[None]
         decay = g.exp()
-        S = state.float()
-        out = torch.empty(T, Hv, self.dv, dtype=torch.float32, device=y.device)
+        out = torch.empty(B, T, Hv, self.dv, dtype=torch.float32, device=y.device)
         for t in range(T):
-            S = S * decay[t, :, None, None]
-            kt = k[t]
-            recalled = (S * kt[:, :, None]).sum(1)                      # [Hv, dv]: k^T S
-            delta = (v[t] - recalled) * beta[t, :, None]
-            S = S + kt[:, :, None] * delta[:, None, :]
-            out[t] = (S * q[t][:, :, None]).sum(1)
+            S = S * decay[:, t, :, None, None]
+            kt = k[:, t, :, :, None]
+            recalled = (S * kt).sum(-2)                                  # [B, Hv, dv]: k^T S
+            delta = (v[:, t] - recalled) * beta[:, t, :, None]
+            S = S + kt * delta[:, :, None, :]
+            out[:, t] = (S * q[:, t, :, :, None]).sum(-2)
         return out, S
 
     # ------------------------------------------------------------------ MLP and MoE
