@@ -10,7 +10,10 @@ own venv (../shared/peers/setup_vllm_cpu.sh: /tmp/vllm-peer, checkpoints in
 directories, float32 (vLLM takes Qwen3-Next in bfloat16 only, Granite-4.0-H one
 request at a time: the flags below, from the setup's notes).
 
-    python benchmarks/vs_vllm.py [--models gemma3,qwen3next] [--rounds 6] [--page-size 1]
+Two workloads by default: 4 conversations x 6 rounds of 128 new tokens (the peers'
+default) and a longer one, 4 x 10 rounds of 256 (`--workloads CxRxN,...`).
+
+    python benchmarks/vs_vllm.py [--models gemma3,qwen3next] [--workloads 4x6x128] [--page-size 1]
 """
 from __future__ import annotations
 
@@ -78,9 +81,8 @@ def main() -> None:
     ap.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python")
     ap.add_argument("--models-dir", default="/tmp/vllm-models")
     ap.add_argument("--models", default="qwen3,gemma3,gptoss,qwen3next,granite4h")
-    ap.add_argument("--convs", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--workloads", default="4x6x128,4x10x256",
+                    help="comma list of CONVERSATIONSxROUNDSxNEW_TOKENS")
     ap.add_argument("--gen", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--page-size", type=int, default=1, help="uniradix's page size")
@@ -88,6 +90,15 @@ def main() -> None:
     a = ap.parse_args()
     if not os.path.exists(a.vllm_python):
         sys.exit(f"no vLLM at {a.vllm_python}: run ../shared/peers/setup_vllm_cpu.sh once (about 5 minutes)")
+    results = []
+    for w in a.workloads.split(","):
+        a.convs, a.rounds, a.new_tokens = (int(x) for x in w.split("x"))
+        results.append(dict(workload=w, models=run_workload(a)))
+        print()
+    print(json.dumps(results))
+
+
+def run_workload(a) -> list:
     summary = []
     print(f"{a.convs} conversations x {a.rounds} rounds, {a.new_tokens} new and {a.gen} greedy output tokens "
           f"a round; uniradix page size {a.page_size}, float32; vLLM {os.path.basename(a.vllm_python)}")
@@ -113,18 +124,22 @@ def main() -> None:
         if vr:
             vp = sum(r["prompt_tokens"] for r in vr)
             row.update(vllm_hit=sum(r["cached_tokens"] for r in vr) / vp,
-                       vllm_tok_s=vp / sum(r["seconds"] for r in vr))
+                       vllm_tok_s=vp / sum(r["seconds"] for r in vr),
+                       rounds_at_least=sum(ur["cached_tokens"] / ur["prompt_tokens"] >= vv["cached_tokens"] /
+                                           vv["prompt_tokens"] for ur, vv in zip(u["rounds"], vr)),
+                       rounds=len(vr))
         summary.append(row)
-    print(f"\n{'model':<10} {'vLLM hit':>9} {'uniradix hit':>13} {'x':>6} {'vLLM tok/s':>11} "
+    print(f"\n{'model':<10} {'vLLM hit':>9} {'uniradix hit':>13} {'x':>6} {'rounds >=':>9} {'vLLM tok/s':>11} "
           f"{'uniradix tok/s':>15} {'x':>6}")
     for r in summary:
         vh, vt = r.get("vllm_hit"), r.get("vllm_tok_s")
         cells = ["-" if vh is None else f"{vh:.1%}", f"{r['uniradix_hit']:.1%}",
-                 "-" if not vh else f"{r['uniradix_hit'] / vh:.2f}", "-" if vt is None else f"{vt:,.0f}",
+                 "-" if not vh else f"{r['uniradix_hit'] / vh:.2f}",
+                 f"{r['rounds_at_least']}/{r['rounds']}" if "rounds" in r else "-", "-" if vt is None else f"{vt:,.0f}",
                  f"{r['uniradix_tok_s']:,.0f}", "-" if not vt else f"{r['uniradix_tok_s'] / vt:.2f}"]
-        print(f"{r['model']:<10} {cells[0]:>9} {cells[1]:>13} {cells[2]:>6} {cells[3]:>11} {cells[4]:>15} "
-              f"{cells[5]:>6}")
-    print(json.dumps(summary))
+        print(f"{r['model']:<10} {cells[0]:>9} {cells[1]:>13} {cells[2]:>6} {cells[3]:>9} {cells[4]:>11} "
+              f"{cells[5]:>15} {cells[6]:>6}")
+    return summary
 
 
 if __name__ == "__main__":
