@@ -3,30 +3,25 @@ as chat: text in through its chat template, text out through its tokenizer."""
 import json
 
 import pytest
-from harness import COMMON, make_checkpoint
+from harness import TINY, make_tiny
 
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-    S, F = "sliding_attention", "full_attention"
-    cfg = Gemma3TextConfig(**COMMON, num_hidden_layers=3, head_dim=16, layer_types=[S, S, F],
-                           sliding_window=16, query_pre_attn_scalar=16)
-    return make_checkpoint(str(tmp_path_factory.mktemp("run-gemma3")), Gemma3ForCausalLM, cfg)
-
-
-def test_run_serves_a_checkpoint_as_chat(checkpoint, capsys):
+@pytest.mark.parametrize("family", list(TINY))
+def test_run_serves_a_checkpoint_as_chat(family, tmp_path, capsys):
     from uniradix.cli import main
+    checkpoint = make_tiny(family, str(tmp_path / family))
+    model_type = json.loads((tmp_path / family / "config.json").read_text())["model_type"]
     args = ["run", "--model-path", checkpoint, "--clients", "2", "--rounds", "3", "--tokens-per-round", "12",
             "--output-tokens", "4", "--shared-prefix-tokens", "16", "--page-size", "4", "--no-progress"]
     assert main([*args, "--json"]) == 0
     rounds = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rounds"]
-    assert rounds[0]["errors"] == 0 and rounds[1]["cached_tokens"] > 0.5 * rounds[1]["prompt_tokens"]
+    assert all(r["errors"] == 0 for r in rounds)
+    assert rounds[1]["cached_tokens"] > 0.5 * rounds[1]["prompt_tokens"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "gemma3_text from" in out and "chat" in out
+    assert f"{model_type} from" in out and "chat" in out
     assert "client 0, last turn:" in out and "user:" in out and "assistant:" in out
 
 
