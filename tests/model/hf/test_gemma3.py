@@ -24,3 +24,26 @@ def test_gemma3_layers_become_components(gemma3):
     m = load_checkpoint(gemma3)
     assert [s.name for s in m.states().specs] == ["full", "swa"]
     assert m.states().layers("swa")[0].spec.window == 16
+
+
+def test_softcapping_as_transformers_does_it(make_engine, tmp_path):
+    """Gemma 3 configs carry Gemma 2's caps: final_logit_softcapping caps the logits
+    (cap * tanh(x / cap)); attn_logit_softcapping is ignored, as transformers' Gemma 3
+    ignores it (QK-norm replaced it)."""
+    import random
+
+    from engine_checks import check_exact, greedy, run_checked
+    from harness import Oracle, toks
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from uniradix.model.hf import load_checkpoint
+    S, F = "sliding_attention", "full_attention"
+    cfg = Gemma3TextConfig(**COMMON, num_hidden_layers=3, head_dim=16, layer_types=[S, S, F], sliding_window=8,
+                           query_pre_attn_scalar=16, attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    path = make_checkpoint(str(tmp_path / "capped"), Gemma3ForCausalLM, cfg)
+    model, oracle = load_checkpoint(path), Oracle(path)
+    rng = random.Random(4)
+    eng = make_engine(model, page_size=4, max_total_tokens=512, chunked_prefill_size=9)
+    reqs = [greedy(toks(rng, 30), 5) for _ in range(3)]
+    run_checked(eng, reqs)
+    for r in reqs:
+        check_exact(eng, r, oracle)

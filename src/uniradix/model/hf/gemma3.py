@@ -21,7 +21,8 @@ class Gemma3(HFModel):
         self.heads, self.kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
         self.head_dim = c.get("head_dim") or c["hidden_size"] // self.heads
         self.scale = c.get("query_pre_attn_scalar", self.head_dim) ** -0.5
-        self.softcap = c.get("attn_logit_softcapping")
+        # attn_logit_softcapping is not read: Gemma 3 replaced Gemma 2's score capping with
+        # QK-norm, and transformers' Gemma3Attention never applies it
         self.final_softcap = c.get("final_logit_softcapping")
         self.rope = {kind: rope_inv_freq(rope_parameters(c, kind), self.head_dim, c.get("max_position_embeddings"))
                      for kind in set(self.kinds)}
@@ -45,7 +46,7 @@ class Gemma3(HFModel):
         inv, scaling = self.rope[self.kinds[i]]
         cos, sin = rope_cos_sin(batch.pos, inv, scaling, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale, softcap=self.softcap)
+        a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale)
         a = a.reshape(N, -1) @ w(p + "self_attn.o_proj.weight").t()
         x = x + rms_norm(a, w(p + "post_attention_layernorm.weight"), self.eps, 1.0)
         h = rms_norm(x, w(p + "pre_feedforward_layernorm.weight"), self.eps, 1.0)
