@@ -40,7 +40,8 @@ def run_vllm(python: str, model: str, a) -> dict:
     name = os.path.basename(model.rstrip("/"))
     cmd = [python, os.path.join(PEERS, "multiturn_vllm.py"), model, "--convs", str(a.convs), "--rounds",
            str(a.rounds), "--new-tokens", str(a.new_tokens), "--gen", str(a.gen), "--seed", str(a.seed),
-           "--eager", "--inproc", *VLLM_FLAGS.get(name, [])]
+           "--eager", "--inproc", "--max-model-len", str(max(2048, a.rounds * (a.new_tokens + a.gen) + 64)),
+           *VLLM_FLAGS.get(name, [])]
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if p.returncode != 0:
