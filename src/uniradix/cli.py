@@ -1,6 +1,7 @@
 """`uniradix`: command-line entry points. `uniradix run` serves a multi-turn workload
 on the embedded reference model and prints the hit rate, TTFT and input throughput
-per round. Engine flags follow SGLang's names."""
+per round; `uniradix serve` is the HTTP server (uniradix.server). Engine flags follow
+SGLang's names."""
 from __future__ import annotations
 
 import argparse
@@ -169,6 +170,12 @@ def main(argv=None) -> int:
     r.add_argument("--json", action="store_true", help="print the rounds as JSON instead of a table")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.set_defaults(func=cmd_run)
+    from .server.serve import add_serve_args, cmd_serve
+    s = sub.add_parser("serve", formatter_class=_HelpFormatter,
+                       help="serve SGLang's and OpenAI's HTTP APIs (sessions, /metrics) on 127.0.0.1")
+    add_engine_args(s)
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
     a = p.parse_args(argv)
     return a.func(a)
 

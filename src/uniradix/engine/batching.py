@@ -132,7 +132,9 @@ class Batching:
         st.tokens.append(tok)
         req.metrics.output_tokens = len(req.output_ids)
         if tok in req.sampling.stop_ids:
-            req.finish_reason = "stop"
+            req.finish_reason, req.matched_stop = "stop", tok
+        elif req.sampling.stop and (hit := self._stop_string(req)) is not None:
+            req.finish_reason, req.matched_stop = "stop", hit
         elif len(req.output_ids) >= req.sampling.max_new_tokens:
             req.finish_reason = "length"
         else:
@@ -143,6 +145,14 @@ class Batching:
         req.metrics.finished = now
         self.counters["finished"] += 1
         done.append(req)
+
+    def _stop_string(self, req: Request) -> str | None:
+        """The stop string the newest token completed, if any. A string that ends in the
+        newest token lies in the text of the last len(string) tokens (a token is at least
+        one character; a few more cover special and partial-character tokens)."""
+        stop = req.sampling.stop
+        tail = self.tokenizer.decode(req.output_ids[-(max(map(len, stop)) + 4):])
+        return next((s for s in stop if s in tail), None)
 
     def _store(self, st: RequestState, session_id=None) -> None:
         """Hand the request's computed tokens to the tree (or free them with the cache off)."""

@@ -61,7 +61,7 @@ class Engine(Admission, Batching):
         self.tokenizer = self.model.tokenizer
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
-        self.counters = dict(steps=0, finished=0, errors=0, preemptions=0, prefill_tokens=0, cached_tokens=0,
+        self.counters = dict(steps=0, finished=0, errors=0, aborted=0, preemptions=0, prefill_tokens=0, cached_tokens=0,
                              prompt_tokens=0, decode_tokens=0, checkpoints_skipped=0, host_tokens=0)
         self.storage = None
         if storage is not None:
@@ -98,6 +98,16 @@ class Engine(Admission, Batching):
     def submit(self, req: Request) -> Request:
         """Queue a request. Malformed input raises ValueError; a request the pools could
         never hold finishes at once with status "error" and says why."""
+        why = self.prepare(req)
+        if why:
+            self._fail(req, why)
+            return req
+        return self.enqueue(req)
+
+    def prepare(self, req: Request) -> str | None:
+        """Check a new request and tokenize its text; returns why it could never fit, or
+        None. Reads nothing that a step changes, so a server may call it on its own
+        thread before handing the request to the scheduler's (`enqueue`)."""
         if req.status != "new":
             raise ValueError(f"request {req.rid} was already submitted")
         ids = req.check(self.model.vocab_size)
@@ -107,11 +117,12 @@ class Engine(Admission, Batching):
             raise ValueError(f"request {req.rid} has an empty prompt")
         req.input_ids = ids
         req.metrics.prompt_tokens = len(ids)
+        return self._never_fits(req)
+
+    def enqueue(self, req: Request) -> Request:
+        """Queue a prepared request (the scheduler's thread)."""
+        ids = req.input_ids
         req.status = "waiting"
-        why = self._never_fits(req)
-        if why:
-            self._fail(req, why)
-            return req
         state = RequestState(list(ids), salt=req.salt, priority=req.priority, owner=req)
         seed = req.sampling.seed
         state.rng = None if seed is None else torch.Generator().manual_seed(seed)
@@ -145,6 +156,13 @@ class Engine(Admission, Batching):
         request goes on as if it had never been there."""
         req = st.owner
         log.error("request %s failed inside the engine: %s: %s", req.rid, type(exc).__name__, exc, exc_info=exc)
+        self._drop(st)
+        self._fail(req, f"request {req.rid} failed: {type(exc).__name__}: {exc}")
+        done.append(req)
+
+    def _drop(self, st: RequestState) -> None:
+        """Take a request out of every queue and give back all it holds; nothing of it
+        is cached."""
         for queue in (self.running, self.waiting):
             if st in queue:
                 queue.remove(st)
@@ -154,9 +172,20 @@ class Engine(Admission, Batching):
             try:
                 self.cache.release(st)
             except Exception:  # what it holds may leak; the engine keeps serving
-                log.exception("request %s: its cache handles could not be returned", req.rid)
-        self._fail(req, f"request {req.rid} failed: {type(exc).__name__}: {exc}")
-        done.append(req)
+                log.exception("request %s: its cache handles could not be returned", st.owner.rid)
+
+    def abort(self, req: Request, why: str = "aborted") -> bool:
+        """Cancel a request that has not finished (its client went away): it leaves its
+        queue and its pages, state slots and locks go back at once; the prefix it matched
+        stays cached. False when it is not in this engine (never submitted, or done)."""
+        st = next((s for s in (*self.running, *self.waiting, *self.prefetching) if s.owner is req), None)
+        if st is None or req.done:
+            return False
+        self._drop(st)
+        req.status, req.finish_reason, req.error = "aborted", "abort", why
+        req.metrics.finished = time.perf_counter()
+        self.counters["aborted"] += 1
+        return True
 
     # ------------------------------------------------------------------ driving
     def run(self, requests: list[Request], progress=None) -> list[Request]:

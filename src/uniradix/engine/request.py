@@ -51,16 +51,21 @@ def check_token_ids(name: str, ids, vocab_size: int | None = None) -> list[int]:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy (and so is any temperature below 1e-5). `seed` makes
-    sampling repeatable per request; `stop_ids` end the request when generated (the stop
-    token is kept in the output). Every field is checked here, types included, so a bad
-    value is a ValueError naming it, never a failure inside a later step."""
+    """temperature 0 is greedy (and so is any temperature below 1e-5); `top_k` keeps the
+    k likeliest tokens (-1: all), `top_p` the smallest set reaching that mass. `seed`
+    makes sampling repeatable per request; `stop_ids` end the request when generated
+    (the stop token is kept in the output), `stop` strings when the output's text comes
+    to contain one (the engine's tokenizer decodes it). Every field is checked here,
+    types included, so a bad value is a ValueError naming it, never a failure inside a
+    later step."""
 
     max_new_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = -1
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -71,6 +76,12 @@ class SamplingParams:
         p = self.top_p
         if not _is_number(p) or not 0 < p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"top_k must be -1 (all tokens) or an int >= 1, got {self.top_k!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r:.60}")
+        object.__setattr__(self, "stop", tuple(stop))
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2 ** 63):
             raise ValueError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
@@ -114,8 +125,9 @@ class RequestMetrics:
 @dataclass(eq=False)
 class Request:
     """A generation request. Give `input_ids`, or `text` for the engine's tokenizer.
-    After the run: `status` is "finished" or "error"; `output_ids`, `finish_reason`
-    ("length", "stop" or "error"), `error` and `metrics` say what happened. With
+    After the run: `status` is "finished", "error" or "aborted"; `output_ids`,
+    `finish_reason` ("length", "stop", "error" or "abort"), `matched_stop` (the stop id or
+    string that ended it), `error` and `metrics` say what happened. With
     `record_logits`, `logits` holds the logits each output token was drawn from."""
 
     input_ids: list[int] | None = None
@@ -129,6 +141,7 @@ class Request:
     status: str = "new"
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    matched_stop: int | str | None = None
     error: str | None = None
     logits: list = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -160,4 +173,4 @@ class Request:
 
     @property
     def done(self) -> bool:
-        return self.status in ("finished", "error")
+        return self.status in ("finished", "error", "aborted")

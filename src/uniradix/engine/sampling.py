@@ -7,11 +7,16 @@ from .request import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Greedy at temperature 0; otherwise a draw from the smallest set of tokens whose
-    probability reaches top_p, renormalised, with the request's own generator."""
+    """Greedy at temperature 0; otherwise a draw from the top_k likeliest tokens, then
+    the smallest set of those whose probability reaches top_p, renormalised, with the
+    request's own generator."""
     if params.temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+    logits = logits.double()
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1:
         p, order = probs.sort(descending=True)
         keep = p.cumsum(-1) - p < params.top_p  # a token is kept if the mass before it is short of top_p

@@ -188,7 +188,7 @@ class StorageTier:
     #: what stats() reports, for an engine without a storage tier: all zero
     IDLE = dict(storage_tokens=0, storage_errors=0, storage_prefetches=0, storage_prefetch_abandoned=0,
                 storage_writes_dropped=0, storage_loads=0, storage_failed_loads=0, storage_saved_objects=0,
-                storage_pending_writes=0)
+                storage_pending_writes=0, storage_read_bytes=0, storage_written_bytes=0, storage_corrupt_objects=0)
 
     def stats(self) -> dict:
         lc = dict(self.store.counters)
@@ -196,6 +196,9 @@ class StorageTier:
         c["storage_loads"] = lc["loads"]
         c["storage_failed_loads"] = lc["failed_loads"]
         c["storage_saved_objects"] = lc["saved_objects"]
+        c["storage_read_bytes"] = lc["loaded_bytes"]
+        c["storage_written_bytes"] = lc["saved_bytes"]
+        c["storage_corrupt_objects"] = lc["corrupt"] + lc["unauthenticated"]
         # every failure counts: calls that raised, here or on the I/O threads, and sets refused
         c["storage_errors"] += lc["errors"] + lc["failed_sets"]
         c["storage_pending_writes"] = len(self.writing)

@@ -46,6 +46,7 @@ class Fetched:
     plan: list
     blobs: list
     objects: int
+    nbytes: int = 0
 
 
 class L3Store(Writing):
@@ -65,7 +66,7 @@ class L3Store(Writing):
         self.P = cache.page_size
         self.comps = cache.page_comps
         self.ckpt = cache.ckpt
-        self.counters = dict(saved_objects=0, loaded_objects=0, corrupt=0, unauthenticated=0, deleted=0,
+        self.counters = dict(saved_objects=0, saved_bytes=0, loaded_objects=0, loaded_bytes=0, corrupt=0, unauthenticated=0, deleted=0,
                              failed_sets=0, errors=0, loads=0, failed_loads=0)
         self._lock = threading.Lock()
         self._known: OrderedDict = OrderedDict()
@@ -224,7 +225,7 @@ class L3Store(Writing):
             self._count("failed_loads")
             return None
         self._remember(all_keys)
-        return Fetched(b, start, plan, blobs, len(all_keys))
+        return Fetched(b, start, plan, blobs, len(all_keys), sum(len(x) for bl in blobs for x in bl))
 
     def _drop(self, bad: list) -> None:
         """Objects found unusable at read time are counted and deleted at once: the
@@ -253,6 +254,7 @@ class L3Store(Writing):
     def count_applied(self, got: "Fetched") -> None:
         """`got` was written to the pools (here, or through the host tier by the cache)."""
         self._count("loaded_objects", got.objects)
+        self._count("loaded_bytes", got.nbytes)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:

@@ -98,6 +98,7 @@ class Writing:
         self._remember(k for k, good in zip(keys, ok) if good)
         n = sum(ok)
         self._count("saved_objects", n)
+        self._count("saved_bytes", sum(len(job.payloads[i]) for i, good in zip(todo, ok) if good))
         self._count("failed_sets", len(ok) - n)
         return n
 

@@ -1,0 +1,196 @@
+"""The FastAPI application: authentication, body limits, JSON errors, and the admin
+routes (health, sessions, cache flush, server and model info, metrics); the generation
+routes are routes_native.py's and routes_openai.py's.
+
+Every error is a JSON body `{"error": {"message", "type", "code"}}` with a 4xx (5xx only
+for a fault of the server's own), so a bad request never kills the server."""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+import time
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..cache.audit import AuditError
+from ..engine import Request, SamplingParams
+from . import routes_native, routes_openai
+from .jobs import Jobs
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import BadRequest, Job, want
+from .runner import EngineRunner
+from .settings import ServerConfig
+
+log = logging.getLogger("uniradix.server")
+
+OPEN_ROUTES = ("/health",)
+
+
+def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
+            413: "RequestTooLarge", 503: "ServiceUnavailable"}.get(status, "InternalServerError")
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
+                        headers=headers)
+
+
+def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics, model_name: str,
+              engine_settings: dict) -> FastAPI:
+    app = FastAPI(title="uniradix", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.config = config
+    app.state.model_name = model_name
+    app.state.started = int(time.time())
+    jobs = Jobs(runner, config.max_waiting_requests)
+    engine = runner.engine
+
+    @app.middleware("http")
+    async def guard(request: HTTPRequest, call_next):
+        if config.api_key and request.url.path not in OPEN_ROUTES:
+            given = request.headers.get("authorization", "")
+            key = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+            if not hmac.compare_digest(key.encode(), config.api_key.encode()):
+                return error(401, "a valid API key is required: 'Authorization: Bearer KEY'")
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > config.max_request_bytes:
+            return error(413, f"the request body is {size} bytes; the limit is {config.max_request_bytes} "
+                              f"(--max-request-bytes)")
+        return await call_next(request)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request, exc: BadRequest):
+        return error(exc.status, exc.message, {"Retry-After": "1"} if exc.status == 503 else None)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):
+        return error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, exc):
+        return error(400, str(exc.errors()[:3]))
+
+    @app.exception_handler(Exception)
+    async def fault(request, exc):
+        log.exception("request to %s failed", request.url.path)
+        return error(500, f"internal error: {type(exc).__name__}: {exc}")
+
+    async def read_body(request: HTTPRequest, empty_ok: bool = False):
+        raw = b""
+        async for part in request.stream():
+            raw += part
+            if len(raw) > config.max_request_bytes:
+                raise BadRequest(f"the request body is over {config.max_request_bytes} bytes "
+                                 f"(--max-request-bytes)", 413)
+        if not raw.strip() and empty_ok:
+            return {}
+        try:
+            return json.loads(raw, parse_constant=_no_constant)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the request body is not valid JSON: {e}") from None
+
+    @app.get("/health")
+    async def health():
+        if runner.failure is not None or not runner.thread.is_alive():
+            return error(503, "the scheduler thread is not running")
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        req = Request(input_ids=[1 % engine.model.vocab_size], sampling=SamplingParams(max_new_tokens=1))
+        job = Job(req)
+        try:
+            streams = jobs.start([job])
+        except BadRequest as e:
+            return error(503, f"cannot generate: {e.message}")
+        outs = await jobs.finish([job], streams, _never)
+        if req.status != "finished":
+            return error(503, f"generation failed: {req.error}")
+        return Response(status_code=200) if outs else error(503, "no output")
+
+    @app.post("/open_session")
+    async def open_session(request: HTTPRequest):
+        body = await read_body(request, empty_ok=True)
+        want(isinstance(body, dict), "the request body", "a JSON object", body)
+        timeout = body.get("timeout")
+        want(timeout is None or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+                                 and math.isfinite(timeout) and timeout > 0), "timeout", "a number > 0", timeout)
+        sid = body.get("session_id")
+        want(sid is None or (isinstance(sid, str) and sid), "session_id", "a non-empty string", sid)
+        return await runner.run(lambda: runner.sessions.open(sid, timeout))
+
+    @app.post("/close_session")
+    async def close_session(request: HTTPRequest):
+        body = await read_body(request)
+        want(isinstance(body, dict), "the request body", "a JSON object", body)
+        sid = body.get("session_id")
+        want((isinstance(sid, str) and sid) or (isinstance(sid, int) and not isinstance(sid, bool)), "session_id",
+             "a non-empty string or an int", sid)
+        return {"success": True, "closed": await runner.run(lambda: runner.close_session(sid))}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        """Empty the device and host tiers; what they wrote to L3 on the way out is in the
+        store when this answers (the store itself is shared: never flushed from here)."""
+        def flush():
+            ok = engine.cache.flush()
+            engine.flush_writes()
+            return ok
+        if await runner.run(flush):
+            return PlainTextResponse("Cache flushed.\n")
+        return error(400, "cannot flush the cache while requests are running; retry when idle")
+
+    @app.get("/get_server_info")
+    async def server_info():
+        return {"version": _version(), **engine_settings, **config.as_dict(), "model_name": model_name}
+
+    @app.get("/get_model_info")
+    async def model_info():
+        m = engine.model
+        layers = {spec.name: len(ls) for spec, ls in m.states().groups}
+        return {"model_path": model_name, "model_type": m.name, "is_generation": True,
+                "vocab_size": m.vocab_size, "eos_token_ids": list(jobs.eos()), "layers": layers,
+                "has_chat_template": bool(getattr(m.tokenizer, "chat_template", None))}
+
+    @app.get("/audit")
+    async def audit():
+        """Every cache handle owned exactly once (uniradix.cache.audit); `settled`: and no
+        lock left, checked only when nothing is running."""
+        def check():
+            idle = not (engine.running or engine.waiting or engine.prefetching)
+            engine.audit(settled=idle)
+            return {"ok": True, "settled": idle}
+        try:
+            return await runner.run(check)
+        except AuditError as e:
+            return error(500, f"audit failed: {e}")
+
+    @app.get("/metrics")
+    async def metrics_route():
+        def snapshot():
+            metrics.gauges(len(engine.running) + len(engine.prefetching), len(engine.waiting), len(runner.sessions))
+            return {"engine": engine.stats(), "output_tokens": runner.output_tokens}
+        return Response(metrics.render(await runner.run(snapshot)), media_type=CONTENT_TYPE)
+
+    routes_native.add_routes(app, jobs, read_body)
+    routes_openai.add_routes(app, jobs, read_body)
+    return app
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def _never() -> bool:
+    return False
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("uniradix")
+    except PackageNotFoundError:
+        return "unknown"

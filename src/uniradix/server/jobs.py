@@ -1,0 +1,112 @@
+"""The HTTP side of a request's life, shared by both APIs: prepare on the handler's
+thread (checks and tokenizing, so bad input is a 4xx before anything is queued), admit
+against the queue limit, hand to the scheduler, then wait for the end (or stream), and
+abort whatever is left when the client goes away."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+from .protocol import BadRequest, Job
+from .runner import EngineRunner, Stream
+from .textout import TextOut
+
+
+class Jobs:
+    """What the routes share: the engine's runner, the queue limit, the tokenizer."""
+
+    def __init__(self, runner: EngineRunner, max_waiting: int) -> None:
+        self.runner = runner
+        self.engine = runner.engine
+        self.tokenizer = runner.engine.tokenizer
+        self.max_waiting = max_waiting
+
+    def eos(self) -> tuple[int, ...]:
+        return tuple(getattr(self.engine.model, "eos_token_ids", ()) or ())
+
+    def start(self, jobs: list[Job]) -> list[Stream]:
+        """Check every job, then queue all of them (or none: a 4xx / 503 raised)."""
+        for job in jobs:
+            try:
+                why = self.engine.prepare(job.req)
+            except ValueError as e:
+                raise BadRequest(str(e)) from None
+            if why:
+                raise BadRequest(why)
+        if self.runner.waiting + len(jobs) > self.max_waiting:
+            raise BadRequest(f"the waiting queue is full ({self.max_waiting} requests); retry shortly", 503)
+        loop = asyncio.get_running_loop()
+        streams = [Stream(job.req, loop) for job in jobs]
+        for s in streams:
+            self.runner.submit(s)
+        return streams
+
+    async def finish(self, jobs: list[Job], streams: list[Stream], disconnected) -> list[TextOut]:
+        """Wait until every stream ends; aborts them all if `disconnected()` says the
+        client left. Returns each job's final text."""
+        outs = [self.text_out(j) for j in jobs]
+        pending = {asyncio.ensure_future(self._drain(s, o)): s for s, o in zip(streams, outs)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, timeout=0.5)
+                for t in done:
+                    pending.pop(t)
+                if pending and await disconnected():
+                    break
+        finally:
+            for t, s in pending.items():
+                t.cancel()
+                self.runner.abort(s.req)
+        return outs
+
+    async def _drain(self, s: Stream, out: TextOut) -> None:
+        while True:
+            ids, done = await s.get()
+            out.update(ids, done)
+            if done:
+                return
+
+    def text_out(self, job: Job) -> TextOut:
+        return TextOut(self.tokenizer, job.stop, job.skip_special_tokens, job.no_stop_trim)
+
+
+def check_outcome(jobs: list[Job]) -> None:
+    """A request the engine failed (it could not fit after all, or a fault): a 4xx/5xx
+    for a non-streaming response."""
+    for job in jobs:
+        req = job.req
+        if req.status == "error":
+            raise BadRequest(req.error or "the request failed", 400 if "never fit" in (req.error or "") else 500)
+
+
+def new_id(prefix: str = "") -> str:
+    return prefix + uuid.uuid4().hex
+
+
+def cached_split(req) -> dict:
+    """Cached prompt tokens by the tier they came from."""
+    m = req.metrics
+    return {"device": m.cached_tokens - m.host_tokens - m.storage_tokens, "host": m.host_tokens,
+            "storage": m.storage_tokens}
+
+
+def finish_reason(req, text_out: TextOut | None = None):
+    """SGLang's finish_reason object."""
+    if req.finish_reason == "stop":
+        return {"type": "stop", "matched": req.matched_stop}
+    if req.finish_reason == "length":
+        return {"type": "length", "length": len(req.output_ids)}
+    if req.finish_reason in ("abort", "error"):
+        return {"type": "abort", "message": req.error}
+    return None
+
+
+def openai_finish(req) -> str | None:
+    return {"stop": "stop", "length": "length", "abort": "abort", "error": "abort"}.get(req.finish_reason)
+
+
+def usage(reqs) -> dict:
+    p = sum(r.metrics.prompt_tokens for r in reqs)
+    c = sum(len(r.output_ids) for r in reqs)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": sum(r.metrics.cached_tokens for r in reqs)}}

@@ -1,0 +1,116 @@
+"""`/metrics`: the engine's own counters in Prometheus' text format, so that a hit rate
+is a ratio of two counters (`uniradix_cached_tokens_total` over
+`uniradix_prompt_tokens_total`, by tier), beside latency histograms the server observes.
+
+The counters are read from a snapshot of `Engine.stats()` taken on the scheduler thread
+at scrape time: what /metrics says is what the engine counted, never a second count."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+#: engine counter -> (metric name, help)
+ENGINE_COUNTERS = {
+    "prompt_tokens": ("prompt_tokens", "prompt tokens of the requests admitted"),
+    "prefill_tokens": ("prefill_tokens", "prompt tokens computed (not reused)"),
+    "decode_tokens": ("decode_tokens", "tokens computed while decoding"),
+    "finished": ("requests_finished", "requests finished"),
+    "errors": ("requests_failed", "requests that ended in an error"),
+    "aborted": ("requests_aborted", "requests aborted (the client went away, or shutdown)"),
+    "preemptions": ("preemptions", "requests preempted to free pages"),
+    "checkpoints_skipped": ("checkpoints_skipped", "recurrent checkpoints skipped for want of a slot"),
+}
+STORAGE_COUNTERS = {
+    "storage_loads": ("storage_hits", "L3 reads that found their objects"),
+    "storage_failed_loads": ("storage_misses", "L3 reads that came back short"),
+    "storage_read_bytes": ("storage_read_bytes", "bytes read from L3 into the cache"),
+    "storage_written_bytes": ("storage_written_bytes", "bytes written to L3"),
+    "storage_saved_objects": ("storage_saved_objects", "objects written to L3"),
+    "storage_errors": ("storage_errors", "L3 calls that failed"),
+    "storage_corrupt_objects": ("storage_corrupt_objects", "L3 objects found corrupt or forged (never used)"),
+}
+
+
+class ServerMetrics:
+    """The registry behind /metrics. `render(snapshot)` turns a snapshot (engine stats,
+    queue lengths, sessions) into the exposition text."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.ttft = Histogram("uniradix_time_to_first_token_seconds", "time to first token", buckets=_LATENCY,
+                              registry=r)
+        self.itl = Histogram("uniradix_inter_token_latency_seconds", "time between output tokens",
+                             buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("uniradix_e2e_request_latency_seconds", "arrival to last token", buckets=_LATENCY,
+                             registry=r)
+        self._running = Gauge("uniradix_running_requests", "requests running (prefetching from L3 included)",
+                              registry=r)
+        self._waiting = Gauge("uniradix_waiting_requests", "requests queued for admission", registry=r)
+        self._sessions = Gauge("uniradix_sessions_open", "sessions open", registry=r)
+        self._snapshot: dict | None = None
+        r.register(self)
+
+    def gauges(self, running: int, waiting: int, sessions: int) -> None:
+        self._running.set(running)
+        self._waiting.set(waiting)
+        self._sessions.set(sessions)
+
+    def finished(self, req) -> None:
+        if req.metrics.latency is not None and req.status == "finished":
+            self.e2e.observe(req.metrics.latency)
+
+    def render(self, snapshot: dict) -> bytes:
+        self._snapshot = snapshot
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._snapshot = None
+
+    def collect(self):
+        """The engine's counters (a prometheus_client custom collector)."""
+        s = self._snapshot
+        if s is None:
+            return
+        st = s["engine"]
+        for key, (name, doc) in {**ENGINE_COUNTERS, **STORAGE_COUNTERS}.items():
+            yield _counter(name, doc, st.get(key, 0))
+        device = st["cached_tokens"] - st["host_tokens"] - st["storage_tokens"]
+        c = CounterMetricFamily("uniradix_cached_tokens", "prompt tokens reused, by the tier they came from",
+                                labels=["tier"])
+        for tier, v in (("device", device), ("host", st["host_tokens"]), ("storage", st["storage_tokens"])):
+            c.add_metric([tier], v)
+        yield c
+        yield _counter("output_tokens", "tokens sent to clients", s["output_tokens"])
+        yield GaugeMetricFamily("uniradix_session_references", "sessions whose next turn the tree keeps "
+                                "referenced", value=st["cache"]["sessions"])
+        comps = st["cache"]["components"]
+        per = {
+            "evicted_pages": ("evicted", "pages (state slots) evicted from the device, per component", True),
+            "host_evicted_pages": ("host_evicted", "pages evicted from the host tier, per component", True),
+            "tombstones": ("tombstones", "nodes whose slot of this component is gone (tombstoned) now", False),
+            "cached_pages": ("size", "pages (state slots) the tree holds on the device", False),
+            "pool_pages": ("pool_size", "device pool size in pages (state slots)", False),
+            "pool_available_pages": ("pool_available", "device pool pages free (cached pages that could be evicted not counted)", False),
+        }
+        for name, (key, doc, is_counter) in per.items():
+            fam = (CounterMetricFamily if is_counter else GaugeMetricFamily)(f"uniradix_{name}", doc,
+                                                                            labels=["component"])
+            for comp, cs in comps.items():
+                if cs.get(key) is not None:
+                    fam.add_metric([comp], cs[key])
+            yield fam
+        host = st["cache"].get("host")
+        if host is not None:
+            yield _counter("host_loads", "load-backs from the host tier (L2)", host["loads"])
+            yield _counter("host_loaded_handles", "pages (state slots) loaded back from L2", host["loaded_handles"])
+            yield _counter("host_written_handles", "pages (state slots) written to L2",
+                           host["written_handles"] + host["written_back"])
+
+
+def _counter(name: str, doc: str, value) -> CounterMetricFamily:
+    return CounterMetricFamily(f"uniradix_{name}", doc, value=value)

@@ -1,0 +1,273 @@
+"""Request bodies in, engine Requests out: SGLang's `/generate` and OpenAI's completions
+and chat completions, checked field by field. Anything wrong is a `BadRequest` naming
+the field (a 4xx), never an exception from deeper down.
+
+SGLang rejects fields it does not know in `/generate` and its sampling parameters, so
+this does too; OpenAI clients send many optional fields, so the OpenAI routes ignore
+the ones they do not use but refuse values they cannot honour (n > 1, logprobs)."""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+from ..engine import Request, SamplingParams
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+@dataclass
+class Job:
+    """One prompt of an HTTP request: the engine's Request and how its text comes back."""
+
+    req: Request
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    rid: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- field checks
+def _int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _num(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def want(cond: bool, name: str, what: str, value) -> None:
+    if not cond:
+        shown = repr(value)
+        raise BadRequest(f"{name} must be {what}, got {shown[:60]}")
+
+
+def only(name: str, value, allowed) -> None:
+    """A field accepted for compatibility at its neutral value only."""
+    if value not in allowed:
+        raise BadRequest(f"{name}={value!r:.40} is not supported (only {' or '.join(map(repr, allowed))})")
+
+
+def _ids(name: str, v) -> list[int]:
+    want(isinstance(v, list) and all(_int(t) for t in v), name, "a list of token ids (ints)", v)
+    return list(v)
+
+
+def _session(name: str, v):
+    want(v is None or (isinstance(v, str) and v) or _int(v), name, "a non-empty string or an int", v)
+    return v
+
+
+def _stops(name: str, v, most: int | None = None) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        v = [v]
+    want(isinstance(v, list) and all(isinstance(s, str) and s for s in v), name,
+         "a non-empty string or a list of them", v)
+    if most is not None and len(v) > most:
+        raise BadRequest(f"{name}: at most {most} stop sequences, got {len(v)}")
+    return tuple(v)
+
+
+# ---------------------------------------------------------------------------- SGLang's /generate
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "stream", "session_id", "session_params",
+                   "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+                   "priority", "modalities"}
+SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
+                   "ignore_eos", "skip_special_tokens", "no_stop_trim", "seed", "sampling_seed",
+                   "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+                   "spaces_between_special_tokens"}
+
+
+def parse_generate(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[Job], bool, bool]:
+    """(jobs, batched, stream) for a `/generate` body."""
+    want(isinstance(body, dict), "the request body", "a JSON object", type(body).__name__)
+    unknown = sorted(set(body) - GENERATE_FIELDS)
+    if unknown:
+        raise BadRequest(f"unknown field(s) {unknown}; /generate takes {sorted(GENERATE_FIELDS)}")
+    only("return_logprob", body.get("return_logprob", False), (False, None))
+    only("modalities", body.get("modalities"), (None, []))
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("give exactly one of text or input_ids")
+    if text is not None:
+        batched = isinstance(text, list)
+        prompts = text if batched else [text]
+        for i, t in enumerate(prompts):
+            want(isinstance(t, str), f"text[{i}]" if batched else "text", "a string", t)
+    else:
+        want(isinstance(ids, list), "input_ids", "a list of token ids or a list of such lists", ids)
+        batched = bool(ids) and isinstance(ids[0], list)
+        prompts = [_ids(f"input_ids[{i}]", x) for i, x in enumerate(ids)] if batched else [_ids("input_ids", ids)]
+    if batched and not 1 <= len(prompts) <= max_batch:
+        raise BadRequest(f"a batch holds 1 to {max_batch} prompts, got {len(prompts)}")
+    n = len(prompts)
+    sps = _per_prompt("sampling_params", body.get("sampling_params"), n, batched, dict)
+    rids = _per_prompt("rid", body.get("rid"), n, batched, str)
+    stream = body.get("stream", False)
+    want(isinstance(stream, bool), "stream", "true or false", stream)
+    sp_session = body.get("session_params")
+    sid = body.get("session_id")
+    if sp_session is not None:
+        want(isinstance(sp_session, dict), "session_params", "an object", sp_session)
+        sid = sid if sid is not None else sp_session.get("id")
+    sid = _session("session_id", sid)
+    priority = body.get("priority")
+    want(priority is None or _int(priority), "priority", "an int", priority)
+    jobs = []
+    for i, (p, sp, rid) in enumerate(zip(prompts, sps, rids)):
+        prefix = f"sampling_params[{i}]" if batched else "sampling_params"
+        sampling, extra = sampling_from_sglang(sp or {}, eos, prefix)
+        req = Request(input_ids=None if text is not None else p, text=p if text is not None else None,
+                      sampling=sampling, session_id=sid, priority=priority)
+        jobs.append(Job(req, sampling.stop, rid=rid, **extra))
+    return jobs, batched, stream
+
+
+def _per_prompt(name: str, v, n: int, batched: bool, kind) -> list:
+    if v is None:
+        return [None] * n
+    if batched and isinstance(v, list):
+        if len(v) != n:
+            raise BadRequest(f"{name}: {len(v)} given for {n} prompts")
+        for i, x in enumerate(v):
+            want(isinstance(x, kind), f"{name}[{i}]", f"a {kind.__name__}", x)
+        return list(v)
+    want(isinstance(v, kind), name, f"a {kind.__name__}" + (" or a list of them" if batched else ""), v)
+    return [v] * n
+
+
+def sampling_from_sglang(sp: dict, eos: tuple[int, ...], prefix: str) -> tuple[SamplingParams, dict]:
+    """SGLang's sampling_params (its defaults: 128 new tokens, temperature 1)."""
+    unknown = sorted(set(sp) - SAMPLING_FIELDS)
+    if unknown:
+        raise BadRequest(f"{prefix}: unknown field(s) {unknown}")
+    for k, neutral in (("min_p", (0, 0.0, None)), ("frequency_penalty", (0, 0.0, None)),
+                       ("presence_penalty", (0, 0.0, None)), ("repetition_penalty", (1, 1.0, None)),
+                       ("min_new_tokens", (0, None)), ("n", (1, None))):
+        if k in sp:
+            only(f"{prefix}.{k}", sp[k], neutral)
+    flags = {}
+    for k in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"):
+        v = sp.get(k, k in ("skip_special_tokens", "spaces_between_special_tokens"))
+        want(isinstance(v, bool), f"{prefix}.{k}", "true or false", v)
+        flags[k] = v
+    stop_ids = sp.get("stop_token_ids") or []
+    _ids(f"{prefix}.stop_token_ids", stop_ids)
+    seed = sp.get("seed", sp.get("sampling_seed"))
+    sampling = make_sampling(prefix, max_new_tokens=sp.get("max_new_tokens", 128),
+                             temperature=sp.get("temperature", 1.0), top_p=sp.get("top_p", 1.0),
+                             top_k=sp.get("top_k", -1), seed=seed, stop=_stops(f"{prefix}.stop", sp.get("stop")),
+                             stop_ids=tuple(stop_ids) + (() if flags["ignore_eos"] else tuple(eos)))
+    return sampling, dict(skip_special_tokens=flags["skip_special_tokens"], no_stop_trim=flags["no_stop_trim"])
+
+
+def make_sampling(prefix: str, **kw) -> SamplingParams:
+    if kw.get("top_k") is None:
+        kw["top_k"] = -1
+    if kw.get("top_p") is None:
+        kw["top_p"] = 1.0
+    if kw.get("temperature") is None:
+        kw["temperature"] = 1.0
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:  # SamplingParams names the field
+        raise BadRequest(f"{prefix}.{e}" if prefix else str(e)) from None
+
+
+# ---------------------------------------------------------------------------- OpenAI
+def _openai_sampling(body: dict, eos: tuple[int, ...], max_tokens) -> SamplingParams:
+    only("n", body.get("n", 1), (1, None))
+    only("best_of", body.get("best_of"), (1, None))
+    only("echo", body.get("echo", False), (False, None))
+    only("logprobs", body.get("logprobs"), (None, False))
+    only("top_logprobs", body.get("top_logprobs"), (None, 0))
+    only("logit_bias", body.get("logit_bias"), (None, {}))
+    only("suffix", body.get("suffix"), (None, ""))
+    for k in ("presence_penalty", "frequency_penalty"):
+        only(k, body.get(k, 0), (0, 0.0, None))
+    ignore_eos = body.get("ignore_eos", False)
+    want(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
+    if max_tokens is None:
+        max_tokens = 16
+    return make_sampling("", max_new_tokens=max_tokens, temperature=body.get("temperature"),
+                         top_p=body.get("top_p"), top_k=body.get("top_k"), seed=body.get("seed"),
+                         stop=_stops("stop", body.get("stop"), 4),
+                         stop_ids=tuple(_ids("stop_token_ids", body.get("stop_token_ids") or []))
+                         + (() if ignore_eos else tuple(eos)))
+
+
+def _openai_common(body) -> tuple[bool, bool, object]:
+    want(isinstance(body, dict), "the request body", "a JSON object", type(body).__name__)
+    model = body.get("model")
+    want(model is None or isinstance(model, str), "model", "a string", model)
+    stream = body.get("stream", False)
+    want(isinstance(stream, bool), "stream", "true or false", stream)
+    opts = body.get("stream_options") or {}
+    want(isinstance(opts, dict), "stream_options", "an object", opts)
+    usage = opts.get("include_usage", False)
+    want(isinstance(usage, bool), "stream_options.include_usage", "true or false", usage)
+    return stream, usage, _session("session_id", body.get("session_id"))
+
+
+def parse_completion(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[Job], bool, bool]:
+    """(jobs, stream, include_usage) for `/v1/completions`."""
+    stream, usage, sid = _openai_common(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [("text", prompt)]
+    elif isinstance(prompt, list) and prompt and all(_int(t) for t in prompt):
+        prompts = [("ids", list(prompt))]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [("text", p) for p in prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        prompts = [("ids", _ids(f"prompt[{i}]", p)) for i, p in enumerate(prompt)]
+    else:
+        raise BadRequest(f"prompt must be a string, a list of strings, a list of token ids or a list of such "
+                         f"lists, got {prompt!r:.60}")
+    if len(prompts) > max_batch:
+        raise BadRequest(f"a batch holds 1 to {max_batch} prompts, got {len(prompts)}")
+    if stream and len(prompts) > 1:
+        raise BadRequest("stream with more than one prompt is not supported")
+    max_tokens = body.get("max_tokens")
+    sampling = _openai_sampling(body, eos, max_tokens)
+    jobs = [Job(Request(text=p if kind == "text" else None, input_ids=p if kind == "ids" else None,
+                        sampling=sampling, session_id=sid), sampling.stop) for kind, p in prompts]
+    return jobs, stream, usage
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_chat(body, eos: tuple[int, ...]) -> tuple[list[dict], SamplingParams, bool, bool, object]:
+    """(messages, sampling, stream, include_usage, session id) for `/v1/chat/completions`."""
+    stream, usage, sid = _openai_common(body)
+    msgs = body.get("messages")
+    want(isinstance(msgs, list) and msgs, "messages", "a non-empty list of messages", msgs)
+    out = []
+    for i, m in enumerate(msgs):
+        want(isinstance(m, dict), f"messages[{i}]", "an object with role and content", m)
+        role, content = m.get("role"), m.get("content")
+        want(role in CHAT_ROLES, f"messages[{i}].role", f"one of {', '.join(CHAT_ROLES)}", role)
+        if isinstance(content, list):  # content parts: text only
+            for j, part in enumerate(content):
+                want(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str),
+                     f"messages[{i}].content[{j}]", 'a {"type": "text", "text": ...} part', part)
+            content = "".join(p["text"] for p in content)
+        want(isinstance(content, str) or (content is None and role == "assistant"), f"messages[{i}].content",
+             "a string or a list of text parts", content)
+        out.append({"role": role, "content": content or ""})
+    for k in ("tools", "functions"):
+        only(k, body.get(k), (None, []))
+    only("tool_choice", body.get("tool_choice"), (None, "none", "auto"))
+    rf = body.get("response_format")
+    if rf is not None:
+        want(isinstance(rf, dict) and rf.get("type") == "text", "response_format", '{"type": "text"}', rf)
+    mt = body.get("max_completion_tokens", body.get("max_tokens"))
+    return out, _openai_sampling(body, eos, mt), stream, usage, sid

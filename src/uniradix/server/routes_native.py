@@ -1,0 +1,74 @@
+"""SGLang's native `/generate`: one prompt or a batch, text or token ids, whole or
+streamed as server-sent events (the cumulative text in each chunk, `data: [DONE]` at
+the end), with `meta_info` carrying the cached tokens and their split by tier."""
+from __future__ import annotations
+
+import json
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .jobs import Jobs, cached_split, check_outcome, finish_reason, new_id
+from .protocol import Job, parse_generate
+from .textout import TextOut
+
+
+def meta_info(job: Job, out: TextOut, done: bool) -> dict:
+    req = job.req
+    m = req.metrics
+    info = {"id": job.rid, "finish_reason": finish_reason(req) if done else None,
+            "prompt_tokens": m.prompt_tokens, "completion_tokens": len(out.ids), "cached_tokens": m.cached_tokens,
+            "cached_tokens_details": cached_split(req)}
+    if done and m.latency is not None:
+        info["e2e_latency"] = m.latency
+    return info
+
+
+def result(job: Job, out: TextOut, done: bool = True, index: int | None = None) -> dict:
+    r = {"text": out.shown, "output_ids": list(out.ids), "meta_info": meta_info(job, out, done)}
+    if index is not None:
+        r["index"] = index
+    return r
+
+
+def add_routes(app, jobs: Jobs, read_body) -> None:
+    max_batch = app.state.config.max_batch_prompts
+
+    @app.post("/generate")
+    async def generate(request: HTTPRequest):
+        body = await read_body(request)
+        batch, batched, stream = parse_generate(body, jobs.eos(), max_batch)
+        for j in batch:
+            j.rid = j.rid or new_id()
+        streams = jobs.start(batch)
+        if stream:
+            return StreamingResponse(_sse(jobs, batch, streams, batched), media_type="text/event-stream")
+        outs = await jobs.finish(batch, streams, request.is_disconnected)
+        check_outcome(batch)
+        res = [result(j, o) for j, o in zip(batch, outs)]
+        return JSONResponse(res if batched else res[0])
+
+
+async def _sse(jobs: Jobs, batch: list[Job], streams, batched: bool):
+    """Chunks in arrival order across the batch; each names its prompt by `index`."""
+    import asyncio
+    outs = [jobs.text_out(j) for j in batch]
+    getters = {asyncio.ensure_future(s.get()): i for i, s in enumerate(streams)}
+    try:
+        while getters:
+            done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                i = getters.pop(t)
+                ids, finished = t.result()
+                before = (len(outs[i].ids), outs[i].shown)
+                outs[i].update(ids, finished)
+                if not finished:
+                    getters[asyncio.ensure_future(streams[i].get())] = i
+                if finished or (len(outs[i].ids), outs[i].shown) != before:
+                    chunk = result(batch[i], outs[i], finished, i if batched else None)
+                    yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (or the server stops): what is left is aborted
+        for t, i in getters.items():
+            t.cancel()
+            jobs.runner.abort(streams[i].req)

@@ -1,0 +1,107 @@
+"""OpenAI's API: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (the model's
+chat template; a plain role-per-line format for models without one), whole or
+streamed, with `usage.prompt_tokens_details.cached_tokens`. `session_id` is accepted as
+an extra field, as SGLang does."""
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ..engine import Request
+from .jobs import Jobs, check_outcome, new_id, openai_finish, usage
+from .protocol import Job, parse_chat, parse_completion
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """The chat template's ids; without a template, "role: content" lines and an open
+    assistant line."""
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            return tokenizer.encode_chat(messages)
+        except Exception as e:  # the template refused the conversation (raise_exception)
+            from .protocol import BadRequest
+            raise BadRequest(f"messages: the chat template refused them: {e}") from None
+    return tokenizer.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:")
+
+
+def add_routes(app, jobs: Jobs, read_body) -> None:
+    name = app.state.model_name
+    max_batch = app.state.config.max_batch_prompts
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": app.state.started,
+                                            "owned_by": "uniradix"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        body = await read_body(request)
+        batch, stream, include_usage = parse_completion(body, jobs.eos(), max_batch)
+        return await _respond(request, jobs, batch, stream, include_usage, "text_completion", name)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: HTTPRequest):
+        body = await read_body(request)
+        messages, sampling, stream, include_usage, sid = parse_chat(body, jobs.eos())
+        ids = chat_prompt(jobs.tokenizer, messages)
+        job = Job(Request(input_ids=ids, sampling=sampling, session_id=sid), sampling.stop)
+        return await _respond(request, jobs, [job], stream, include_usage, "chat.completion", name)
+
+
+async def _respond(request, jobs: Jobs, batch: list[Job], stream: bool, include_usage: bool, kind: str, name: str):
+    streams = jobs.start(batch)
+    rid = new_id("chatcmpl-" if kind == "chat.completion" else "cmpl-")
+    created = int(time.time())
+    if stream:
+        return StreamingResponse(_sse(jobs, batch[0], streams[0], include_usage, kind, rid, created, name),
+                                 media_type="text/event-stream")
+    outs = await jobs.finish(batch, streams, request.is_disconnected)
+    check_outcome(batch)
+    choices = []
+    for i, (job, out) in enumerate(zip(batch, outs)):
+        c = {"index": i, "finish_reason": openai_finish(job.req), "logprobs": None}
+        if kind == "chat.completion":
+            c["message"] = {"role": "assistant", "content": out.shown}
+        else:
+            c["text"] = out.shown
+        choices.append(c)
+    return JSONResponse({"id": rid, "object": kind, "created": created, "model": name, "choices": choices,
+                         "usage": usage([j.req for j in batch])})
+
+
+async def _sse(jobs: Jobs, job: Job, s, include_usage: bool, kind: str, rid: str, created: int, name: str):
+    chat = kind == "chat.completion"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    out = jobs.text_out(job)
+
+    def chunk(delta: str | None, finish, usage_=None, role: bool = False) -> str:
+        if chat:
+            d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
+            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+        body = {"id": rid, "object": obj, "created": created, "model": name,
+                "choices": [] if usage_ is not None else [choice]}
+        if usage_ is not None:
+            body["usage"] = usage_
+        return f"data: {json.dumps(body)}\n\n"
+
+    finished = False
+    try:
+        if chat:
+            yield chunk(None, None, role=True)
+        while not finished:
+            ids, finished = await s.get()
+            delta = out.delta(ids, finished)
+            if delta:
+                yield chunk(delta, None)
+        yield chunk(None, openai_finish(job.req))
+        if include_usage:
+            yield chunk(None, None, usage([job.req]))
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:
+            jobs.runner.abort(job.req)

@@ -1,0 +1,235 @@
+"""The scheduler thread: the only thread that touches the engine once the server runs.
+
+HTTP handlers hand it work through an inbox (submit, abort, a callable to run between
+steps) and never wait for a step; it steps the engine while there is work and sends
+each request's new tokens back to the event loop that asked (`Stream`). Sessions' idle
+timeouts are enforced here too, between steps."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+
+from ..engine import Engine, Request
+from .sessions import Sessions
+
+log = logging.getLogger("uniradix.server")
+
+
+class Stream:
+    """One request's events for the event loop: (new output ids, done). The scheduler
+    thread pushes; the handler awaits `get`."""
+
+    def __init__(self, req: Request, loop: asyncio.AbstractEventLoop) -> None:
+        self.req = req
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sent = 0
+        self.last_token: float | None = None
+
+    def push(self, ids: list[int], done: bool) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (ids, done))
+        except RuntimeError:  # the loop is gone (shutdown): nobody is listening
+            pass
+
+    async def get(self) -> tuple[list[int], bool]:
+        return await self.queue.get()
+
+
+class EngineRunner:
+    """Owns the engine on one thread. `waiting` and `running` are the last counts the
+    thread saw (what the HTTP side reads for its queue limit)."""
+
+    def __init__(self, engine: Engine, metrics=None, session_timeout: float | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.sessions = Sessions(session_timeout)
+        self.streams: dict[int, Stream] = {}
+        self._inbox: deque = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._closed = False
+        self.thread = threading.Thread(target=self._loop, name="uniradix-scheduler", daemon=True)
+        self.waiting = 0
+        self.running = 0
+        self.output_tokens = 0
+        self.failure: BaseException | None = None
+
+    # ------------------------------------------------------------------ any thread
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, stream: Stream) -> None:
+        """Queue a prepared request (Engine.prepare has checked it)."""
+        self.waiting += 1  # counted at once, so a burst sees its own queue
+        self._put(("submit", stream))
+
+    def abort(self, req: Request) -> None:
+        self._put(("abort", req))
+
+    def call(self, fn) -> Future:
+        """Run fn() on the scheduler thread between steps; its result in the future."""
+        fut: Future = Future()
+        self._put(("call", (fn, fut)))
+        return fut
+
+    async def run(self, fn):
+        """`call` for coroutines."""
+        return await asyncio.wrap_future(self.call(fn))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Let running requests finish for up to `timeout` seconds, abort the rest, wait
+        for queued L3 writes, and end the thread."""
+        self._put(("stop", time.monotonic() + timeout))
+        self.thread.join()
+
+    def _put(self, item) -> None:
+        with self._wake:
+            if not self._closed:
+                self._inbox.append(item)
+                self._wake.notify()
+                return
+        kind, arg = item  # the thread has ended: nothing will run
+        if kind == "submit":
+            _refuse(arg)
+        elif kind == "call":
+            arg[1].cancel()
+
+    # ------------------------------------------------------------------ scheduler thread
+    def _loop(self) -> None:
+        eng = self.engine
+        deadline = None
+        try:
+            while True:
+                for kind, arg in self._drain(eng):
+                    if kind == "stop":
+                        self._stopping, deadline = True, arg
+                    else:
+                        self._handle(kind, arg)
+                if self._stopping and (not self._busy() or time.monotonic() >= deadline):
+                    break
+                if self._busy():
+                    self._emit(eng.step())
+                self._expire_sessions()
+        except BaseException as e:  # a bug in the engine: every stream ends with it
+            self.failure = e
+            log.exception("the scheduler thread failed")
+        finally:
+            self._shutdown(eng)
+
+    def _busy(self) -> bool:
+        e = self.engine
+        return bool(e.waiting or e.running or e.prefetching)
+
+    def _drain(self, eng: Engine) -> list:
+        with self._wake:
+            if not self._inbox and not self._busy():
+                nd = self.sessions.next_deadline()
+                self._wake.wait(timeout=1.0 if nd is None else max(0.0, min(1.0, nd - time.monotonic())))
+            items = list(self._inbox)
+            self._inbox.clear()
+        return items
+
+    def _handle(self, kind: str, arg) -> None:
+        eng = self.engine
+        if kind == "submit":
+            self.waiting -= 1
+            req = arg.req
+            if self._stopping:
+                _refuse(arg)
+                return
+            self.streams[req.rid] = arg
+            if req.session_id is not None:
+                self.sessions.begin(req.session_id)
+            eng.enqueue(req)
+        elif kind == "abort":
+            eng.abort(arg, "the client went away")
+            self._emit([arg] if arg.done else [])
+        elif kind == "call":
+            fn, fut = arg
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:
+                    fut.set_exception(e)
+
+    def _emit(self, finished: list[Request]) -> None:
+        """New tokens to every stream that has some; the finished ones end."""
+        now = time.perf_counter()
+        m = self.metrics
+        for req in finished:  # a request that never ran (failed at admission) ends here too
+            s = self.streams.get(req.rid)
+            if s is not None:
+                self._send(s, now)
+        for s in list(self.streams.values()):
+            self._send(s, now)
+        eng = self.engine
+        self.waiting, self.running = len(eng.waiting), len(eng.running) + len(eng.prefetching)
+        if m is not None:
+            m.gauges(self.running, self.waiting, len(self.sessions))
+
+    def _send(self, s: Stream, now: float) -> None:
+        req = s.req
+        n = len(req.output_ids)
+        if n == s.sent and not req.done:
+            return
+        new = req.output_ids[s.sent:n]
+        m = self.metrics
+        if new and m is not None:
+            if s.sent == 0 and req.metrics.ttft is not None:
+                m.ttft.observe(req.metrics.ttft)
+            elif s.last_token is not None:
+                gap = (now - s.last_token) / len(new)
+                for _ in new:
+                    m.itl.observe(gap)
+        if new:
+            s.last_token = now
+        self.output_tokens += len(new)
+        s.sent = n
+        s.push(new, req.done)
+        if req.done:
+            del self.streams[req.rid]
+            if req.session_id is not None:
+                self.sessions.end(req.session_id)
+            if m is not None:
+                m.finished(req)
+
+    def _expire_sessions(self) -> None:
+        for sid in self.sessions.expired():
+            self.close_session(sid)
+
+    def close_session(self, sid) -> bool:
+        """Drop a session's cache references (the scheduler thread's)."""
+        known = self.sessions.close(sid)
+        return self.engine.close_session(sid) or known
+
+    def _shutdown(self, eng: Engine) -> None:
+        for s in list(self.streams.values()):
+            eng.abort(s.req, "the server is shutting down")
+            self._send(s, time.perf_counter())
+        with self._wake:
+            self._closed = True
+            items = list(self._inbox)
+            self._inbox.clear()
+        for kind, arg in items:
+            if kind == "submit":
+                _refuse(arg)
+            elif kind == "call":
+                arg[1].cancel()
+        try:
+            eng.flush_writes()  # what was handed to the store reaches it
+            eng.close()
+        except Exception:
+            log.exception("closing the engine failed")
+
+
+
+def _refuse(s: Stream) -> None:
+    """A request that arrived as the server stopped: aborted, never run."""
+    req = s.req
+    req.status, req.finish_reason, req.error = "aborted", "abort", "the server is shutting down"
+    s.push([], True)

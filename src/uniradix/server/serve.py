@@ -1,0 +1,80 @@
+"""`uniradix serve`: the engine from the same flags as `uniradix run`, its scheduler
+thread, and the HTTP server on a socket bound here (so `--port 0` can report the port it
+got). SIGTERM or SIGINT: stop accepting, let running requests finish for up to
+--graceful-timeout seconds, abort the rest, wait for queued L3 writes, exit 0."""
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from ..config import add_flags
+    from .settings import ServerConfig
+    add_flags(p, ServerConfig, "HTTP server")
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from ..cli import engine_from_args
+    from ..config import from_args
+    from .settings import ServerConfig
+    try:
+        config = from_args(ServerConfig, a)
+        engine = engine_from_args(a)
+    except (ValueError, OSError, ImportError, RuntimeError) as e:
+        print(f"uniradix serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((config.host, config.port))
+        sock.listen(2048)  # connections queue from here on, before uvicorn starts serving
+    except OSError as e:
+        print(f"uniradix serve: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
+        engine.close()
+        return 2
+    settings = {**engine.config.as_dict(), "model_path": a.model_path, "model_preset": a.model_preset,
+                "dtype": a.dtype}
+    name = config.served_model_name or a.model_path or a.model_preset
+    return serve(engine, config, sock, name, settings)
+
+
+def serve(engine, config, sock: socket.socket, model_name: str, engine_settings: dict) -> int:
+    import uvicorn
+
+    from .app import build_app
+    from .metrics import ServerMetrics
+    from .runner import EngineRunner
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    metrics = ServerMetrics()
+    runner = EngineRunner(engine, metrics, config.session_timeout)
+    app = build_app(runner, config, metrics, model_name, engine_settings)
+    runner.start()
+    host, port = sock.getsockname()[:2]
+    print(f"uniradix serve: {model_name} on http://{host}:{port}", flush=True)
+    server = _server_class()(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=config.graceful_timeout,
+                                           lifespan="off"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        runner.stop(timeout=0.0)  # uvicorn waited for the running requests already
+        if engine.storage is not None:
+            engine.storage.backend.close()
+        sock.close()
+    print("uniradix serve: stopped", flush=True)
+    return 0 if runner.failure is None else 1
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """A signal asks the server to stop, not the process to die: after the graceful
+        shutdown `serve` returns and the process exits 0 (uvicorn re-raises it)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+    return Server

@@ -1,0 +1,33 @@
+"""The server's own settings (the engine's are uniradix.config's), declared once: the
+`uniradix serve` flags are generated from them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import Settings, count, number, optional, setting, text
+
+
+def _port(v):
+    return None if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 65535 else "an int in [0, 65535]"
+
+
+@dataclass(frozen=True)
+class ServerConfig(Settings):
+    """HTTP server"""
+
+    host: str = setting("127.0.0.1", "address to listen on", check=text)
+    port: int = setting(30000, "port to listen on (0: any free one; the address is printed at start-up)",
+                        check=_port)
+    api_key: str | None = setting(None, "clients must send 'Authorization: Bearer KEY' (every route but /health)",
+                                  check=optional(text), secret=True)
+    served_model_name: str | None = setting(None, "the model's name in the OpenAI API (default: the model "
+                                            "path, or the preset)", check=optional(text))
+    max_waiting_requests: int = setting(256, "requests queued beyond the running batch; more are refused with "
+                                        "503 and Retry-After", check=count())
+    max_request_bytes: int = setting(8 << 20, "largest request body in bytes (413 beyond)", check=count())
+    max_batch_prompts: int = setting(64, "prompts in one batched /generate or completions request", check=count())
+    session_timeout: float | None = setting(None, "seconds a session may stay unused before it is closed "
+                                            "(default: until /close_session; /open_session may set its own)",
+                                            check=optional(number(above=0)))
+    graceful_timeout: float = setting(30.0, "seconds SIGTERM waits for running requests before aborting them",
+                                      check=number(at_least=0))
