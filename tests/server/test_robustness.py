@@ -161,6 +161,24 @@ def test_disconnect_mid_stream_frees_the_pages(small):
     assert small.audit()["settled"]
 
 
+def test_disconnect_while_waiting_for_a_whole_response(small):
+    small.wait_idle()
+    before = small.metrics()["uniradix_requests_aborted_total"]
+    body = json.dumps({"input_ids": list(range(3, 100)),
+                       "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}}).encode()
+    sock = socket.create_connection(("127.0.0.1", small.port))
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 30
+    while small.metrics()["uniradix_running_requests"] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    sock.close()
+    after = small.wait_idle()
+    assert after["uniradix_requests_aborted_total"] == before + 1
+    assert small.audit()["settled"]
+
+
 def test_200_concurrent_streams(small):
     """A bounded load test on loopback: every stream ends with [DONE] and its tokens, no
     errors, and every handle is owned once afterwards."""

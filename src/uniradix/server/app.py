@@ -48,18 +48,7 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
     jobs = Jobs(runner, config.max_waiting_requests)
     engine = runner.engine
 
-    @app.middleware("http")
-    async def guard(request: HTTPRequest, call_next):
-        if config.api_key and request.url.path not in OPEN_ROUTES:
-            given = request.headers.get("authorization", "")
-            key = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-            if not hmac.compare_digest(key.encode(), config.api_key.encode()):
-                return error(401, "a valid API key is required: 'Authorization: Bearer KEY'")
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > config.max_request_bytes:
-            return error(413, f"the request body is {size} bytes; the limit is {config.max_request_bytes} "
-                              f"(--max-request-bytes)")
-        return await call_next(request)
+    app.add_middleware(Guard, config=config)
 
     @app.exception_handler(BadRequest)
     async def bad_request(request, exc: BadRequest):
@@ -178,6 +167,36 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
     routes_native.add_routes(app, jobs, read_body)
     routes_openai.add_routes(app, jobs, read_body)
     return app
+
+
+class Guard:
+    """The API key and the declared body size, checked before a route runs (plain ASGI,
+    so that handlers still see the client's disconnect)."""
+
+    def __init__(self, app, config: ServerConfig) -> None:
+        self.app = app
+        self.config = config
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            refused = self.refuse(scope)
+            if refused is not None:
+                return await refused(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def refuse(self, scope) -> JSONResponse | None:
+        cfg = self.config
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if cfg.api_key and scope["path"] not in OPEN_ROUTES:
+            given = headers.get("authorization", "")
+            key = given[7:] if given.lower().startswith("bearer ") else headers.get("x-api-key", "")
+            if not hmac.compare_digest(key.encode(), cfg.api_key.encode()):
+                return error(401, "a valid API key is required: 'Authorization: Bearer KEY'")
+        size = headers.get("content-length", "")
+        if size.isdigit() and int(size) > cfg.max_request_bytes:
+            return error(413, f"the request body is {size} bytes; the limit is {cfg.max_request_bytes} "
+                              f"(--max-request-bytes)")
+        return None
 
 
 def _no_constant(name: str):
