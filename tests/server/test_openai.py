@@ -78,3 +78,14 @@ def test_openai_errors_are_4xx(client):
         client.chat.completions.create(model="tiny-hybrid", messages=[])
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="tiny-hybrid", prompt="x", temperature=-1)
+
+
+def test_default_lengths(client):
+    r = client.completions.create(model="tiny-hybrid", prompt="no max_tokens given", temperature=0)
+    assert r.usage.completion_tokens == 16  # OpenAI's default for completions
+    c = client.chat.completions.create(model="tiny-hybrid", messages=[{"role": "user", "content": "x"}],
+                                       temperature=0)
+    assert c.usage.completion_tokens == 128  # a chat reply: SGLang's native default
+    c = client.chat.completions.create(model="tiny-hybrid", messages=[{"role": "user", "content": "x"}],
+                                       temperature=0, max_completion_tokens=3, max_tokens=9)
+    assert c.usage.completion_tokens == 3  # the newer name wins

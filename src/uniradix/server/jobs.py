@@ -71,12 +71,14 @@ class Jobs:
 
 
 def check_outcome(jobs: list[Job]) -> None:
-    """A request the engine failed (it could not fit after all, or a fault): a 4xx/5xx
-    for a non-streaming response."""
+    """A request the engine failed (it could not fit after all, or a fault) or aborted
+    (shutdown): a 4xx/5xx for a non-streaming response."""
     for job in jobs:
         req = job.req
         if req.status == "error":
             raise BadRequest(req.error or "the request failed", 400 if "never fit" in (req.error or "") else 500)
+        if req.status == "aborted":  # the server is stopping: another replica, or later
+            raise BadRequest(f"the request was aborted: {req.error}", 503)
 
 
 def new_id(prefix: str = "") -> str:

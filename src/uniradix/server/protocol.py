@@ -182,6 +182,12 @@ def make_sampling(prefix: str, **kw) -> SamplingParams:
 
 
 # ---------------------------------------------------------------------------- OpenAI
+#: new tokens when a request names none: OpenAI's 16 for completions; a chat reply needs
+#: more (OpenAI fills the context; 128 is SGLang's native default)
+COMPLETION_MAX_TOKENS = 16
+CHAT_MAX_TOKENS = 128
+
+
 def _openai_sampling(body: dict, eos: tuple[int, ...], max_tokens) -> SamplingParams:
     only("n", body.get("n", 1), (1, None))
     only("best_of", body.get("best_of"), (1, None))
@@ -194,8 +200,6 @@ def _openai_sampling(body: dict, eos: tuple[int, ...], max_tokens) -> SamplingPa
         only(k, body.get(k, 0), (0, 0.0, None))
     ignore_eos = body.get("ignore_eos", False)
     want(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
-    if max_tokens is None:
-        max_tokens = 16
     return make_sampling("", max_new_tokens=max_tokens, temperature=body.get("temperature"),
                          top_p=body.get("top_p"), top_k=body.get("top_k"), seed=body.get("seed"),
                          stop=_stops("stop", body.get("stop"), 4),
@@ -236,7 +240,7 @@ def parse_completion(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[J
     if stream and len(prompts) > 1:
         raise BadRequest("stream with more than one prompt is not supported")
     max_tokens = body.get("max_tokens")
-    sampling = _openai_sampling(body, eos, max_tokens)
+    sampling = _openai_sampling(body, eos, COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens)
     jobs = [Job(Request(text=p if kind == "text" else None, input_ids=p if kind == "ids" else None,
                         sampling=sampling, session_id=sid), sampling.stop) for kind, p in prompts]
     return jobs, stream, usage
@@ -269,5 +273,6 @@ def parse_chat(body, eos: tuple[int, ...]) -> tuple[list[dict], SamplingParams, 
     rf = body.get("response_format")
     if rf is not None:
         want(isinstance(rf, dict) and rf.get("type") == "text", "response_format", '{"type": "text"}', rf)
-    mt = body.get("max_completion_tokens", body.get("max_tokens"))
-    return out, _openai_sampling(body, eos, mt), stream, usage, sid
+    mt = body.get("max_completion_tokens")
+    mt = body.get("max_tokens") if mt is None else mt
+    return out, _openai_sampling(body, eos, CHAT_MAX_TOKENS if mt is None else mt), stream, usage, sid
