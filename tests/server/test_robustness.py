@@ -89,7 +89,8 @@ def test_bad_openai_is_400_naming_the_field(small, path, body, field):
 
 
 def test_malformed_bodies(small):
-    for raw in (b"{", b"[1, 2", b"\xff\xfe", b"NaN", b'{"text": NaN}', b""):
+    for raw in (b"{", b"[1, 2", b"\xff\xfe", b"NaN", b'{"text": NaN}', b"", b"[" * 100000 + b"]" * 100000,
+                b'{"text": "a", "sampling_params": {"max_new_tokens": ' + b"9" * 5000 + b"}}"):
         s, out, _ = small.post("/generate", raw=raw)
         assert s == 400, (raw, out)
     s, out, _ = small.post("/generate", [1, 2])

@@ -80,6 +80,8 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
             return json.loads(raw, parse_constant=_no_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise BadRequest(f"the request body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise BadRequest("the request body nests too deeply") from None
 
     @app.get("/health")
     async def health():
