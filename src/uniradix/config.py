@@ -16,10 +16,22 @@ import argparse
 import json
 import math
 import numbers
+import re
 from dataclasses import MISSING, dataclass, field, fields, replace
 
 # ---------------------------------------------------------------------------- checks
 # A check returns None when the value is fine, else what it should be ("an int >= 1").
+
+
+def finite_number(v) -> bool:
+    """A real number (not a bool) that a float holds finitely: NaN, infinities and ints
+    too large for a float are not."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def count(lo: int = 1):
@@ -36,7 +48,7 @@ def number(above: float | None = None, at_least: float | None = None):
     what = f"> {above:g}" if above is not None else f">= {at_least:g}"
 
     def check(v):
-        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+        if not finite_number(v):
             return f"a finite number {what}"
         if (above is not None and not v > above) or (at_least is not None and not v >= at_least):
             return f"a finite number {what}"
@@ -110,8 +122,17 @@ class Settings:
         """Rules that tie several settings together."""
 
     def as_dict(self) -> dict:
-        return {f.name: ("<hidden>" if f.metadata.get("secret") and getattr(self, f.name) else
-                         getattr(self, f.name)) for f in fields(self)}
+        """The settings as a server reports them: secrets hidden, and the secrets inside
+        the extra-config JSON too (keys that name one, passwords in URLs)."""
+        out = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.metadata.get("secret") and v:
+                v = "<hidden>"
+            elif f.name == "hicache_storage_backend_extra_config" and v:
+                v = redact_extra_config(v)
+            out[f.name] = v
+        return out
 
 
 # ---------------------------------------------------------------------------- allowed values
@@ -345,6 +366,33 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
     return EngineConfig(cache=from_args(CacheConfig, ns), host=from_args(HostTierConfig, ns),
                         storage=from_args(StorageConfig, ns, **storage_extra),
                         scheduler=from_args(SchedulerConfig, ns))
+
+
+_SECRET_WORDS = ("secret", "password", "passwd", "token", "credential", "auth")
+_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
+
+
+def redact_extra_config(text_value: str) -> str:
+    """The extra config as JSON with the values of secret-looking keys hidden and URL
+    passwords masked; unparseable text is hidden whole (an @file is shown as given)."""
+    if text_value.startswith("@"):
+        return text_value
+    try:
+        cfg = json.loads(text_value)
+    except ValueError:
+        return "<hidden>"
+    if not isinstance(cfg, dict):
+        return "<hidden>"
+
+    def clean(k, v):
+        if any(w in str(k).lower() for w in _SECRET_WORDS) and v not in (None, ""):
+            return "<hidden>"
+        if isinstance(v, str):
+            return _URL_PASSWORD.sub(r"\1<hidden>@", v)
+        if isinstance(v, dict):
+            return {kk: clean(kk, vv) for kk, vv in v.items()}
+        return v
+    return json.dumps({k: clean(k, v) for k, v in cfg.items()})
 
 
 def parse_extra_config(text_value: str | dict | None) -> dict:

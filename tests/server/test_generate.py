@@ -123,7 +123,7 @@ def test_metrics_agree_with_responses(server):
     assert cached == sum(m["cached_tokens"] for m in sent) > 0
     assert grew("uniradix_output_tokens_total") == sum(m["completion_tokens"] for m in sent)
     assert grew("uniradix_requests_finished_total") == 4
-    assert after["uniradix_time_to_first_token_seconds_count"] - before["uniradix_time_to_first_token_seconds_count"] == 4
+    assert grew("uniradix_time_to_first_token_seconds_count") == 4
 
 
 def test_admin_routes(server):

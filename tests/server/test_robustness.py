@@ -35,7 +35,17 @@ BAD_GENERATE = [
     ({"text": "a", "sampling_params": {"top_k": 0}}, "top_k"),
     ({"text": "a", "sampling_params": {"stop": 5}}, "stop"),
     ({"text": "a", "sampling_params": {"stop_token_ids": ["x"]}}, "stop_token_ids"),
-    ({"text": "a", "sampling_params": {"stop_token_ids": [99999]}}, "stop_ids"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": [99999]}}, "stop_token_ids"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": [-7]}}, "stop_token_ids"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": 0}}, "stop_token_ids"),
+    ({"text": "a", "sampling_params": {"stop_token_ids": False}}, "stop_token_ids"),
+    ({"text": "a", "sampling_params": {"stop": ["x"] * 65}}, "stop"),
+    ({"text": "a", "sampling_params": {"stop": "x" * 2000}}, "stop"),
+    ({"text": "a", "sampling_params": {"temperature": 10 ** 400}}, "temperature"),
+    ({"text": "a", "sampling_params": {"top_p": 10 ** 400}}, "top_p"),
+    ({"text": "a", "rid": "\ud800"}, "rid"),
+    ({"text": "ok \udc00"}, "text"),
+    ({"input_ids": [[5, 6], []]}, "prompt 1"),
     ({"text": "a", "sampling_params": {"ignore_eos": "yes"}}, "ignore_eos"),
     ({"text": "a", "sampling_params": {"n": 2}}, "n=2"),
     ({"text": "a", "sampling_params": {"seed": -3}}, "seed"),
@@ -52,7 +62,11 @@ BAD_GENERATE = [
 BAD_OPENAI = [
     ("/v1/completions", {"prompt": 5}, "prompt"),
     ("/v1/completions", {"prompt": "a", "n": 3}, "n=3"),
-    ("/v1/completions", {"prompt": "a", "max_tokens": "many"}, "max_new_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": [[1], [300]]}, "prompt"),
+    ("/v1/completions", {"prompt": "a", "temperature": 10 ** 400}, "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "content"),
     ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("/v1/completions", {"prompt": "a", "logprobs": 3}, "logprobs"),
     ("/v1/completions", {"prompt": "a", "stream_options": 3}, "stream_options"),
@@ -99,8 +113,10 @@ def test_malformed_bodies(small):
     assert small.get("/no/such/route")[0] == 404
     s, out, _ = small.post("/close_session", {"session_id": None})
     assert s == 400 and "session_id" in out["error"]["message"]
-    s, out, _ = small.post("/open_session", {"timeout": -1})
-    assert s == 400 and "timeout" in out["error"]["message"]
+    for bad in ({"timeout": -1}, {"timeout": 10 ** 400}, {"session_id": "\ud800"}, {"session_id": True}):
+        s, out, _ = small.post("/open_session", bad)
+        assert s == 400 and list(bad)[0] in out["error"]["message"], (bad, out)
+    assert small.metrics()["uniradix_sessions_open"] == 0
 
 
 def test_body_over_the_limit_is_413(small):
@@ -251,3 +267,95 @@ def test_sigterm_finishes_running_requests_and_exits_0():
     assert events[-1] == "[DONE]"
     assert len(events[-2]["output_ids"]) == 300
     assert "stopped" in "".join(s.lines)
+
+
+def long_request(n: int = 2000, **extra) -> dict:
+    return {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+            **extra}
+
+
+def in_background(fn):
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    return t, out
+
+
+def wait_running(srv, n: int = 1, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while srv.metrics()["uniradix_running_requests"] < n:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.02)
+
+
+def test_a_session_closed_while_its_turn_runs_holds_nothing_after(small):
+    before = session_refs(small)
+    t, out = in_background(lambda: small.post("/generate", long_request(session_id="inflight")))
+    wait_running(small)
+    s, body, _ = small.post("/close_session", {"session_id": "inflight"})
+    assert s == 200 and body["closed"]
+    t.join(60)
+    assert out[0][0] == 200
+    small.wait_idle()
+    assert session_refs(small) == before
+
+
+def test_flush_is_refused_while_requests_run(small):
+    t, out = in_background(lambda: small.post("/generate", long_request()))
+    wait_running(small)
+    s, body, _ = small.post("/flush_cache")
+    assert s == 400 and "running" in body["error"]["message"]
+    t.join(60)
+    small.wait_idle()
+    assert small.post("/flush_cache")[0] == 200
+    assert small.metrics()['uniradix_cached_pages{component="full"}'] == 0
+
+
+def test_queue_limit_counts_beyond_the_free_places():
+    """An idle server with 4 places and a queue of 2 takes 6 requests at once, not 2."""
+    s = ServerProc("--max-running-requests", "4", "--max-waiting-requests", "2")
+    try:
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(s.post("/generate", long_request(300))))
+                   for _ in range(9)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        codes = sorted(r[0] for r in results)
+        assert codes.count(200) >= 6 and codes.count(503) >= 1, codes
+        assert set(codes) <= {200, 503}
+    finally:
+        assert s.stop() == 0
+
+
+def test_shutdown_past_the_graceful_timeout_aborts_cleanly():
+    """Past --graceful-timeout a whole response is a JSON 503 and a stream ends with an
+    abort chunk and [DONE]; nothing is cut, and the exit status is 0."""
+    s = ServerProc("--graceful-timeout", "1")
+    try:
+        whole_t, whole = in_background(lambda: s.post("/generate", long_request(15000)))
+        events = []
+        stream_t, _ = in_background(lambda: events.extend(s.stream("/generate", {**long_request(15000),
+                                                                              "stream": True})))
+        wait_running(s, 2)
+    finally:
+        assert s.stop() == 0
+    whole_t.join(30)
+    stream_t.join(30)
+    code, body, _ = whole[0]
+    assert code == 503 and "shutting down" in body["error"]["message"], (code, body)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_server_info_hides_the_secrets_in_the_extra_config(tmp_path):
+    extra = json.dumps({"path": str(tmp_path), "auth_secret": "topsecret"})
+    s = ServerProc("--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config", extra)
+    try:
+        code, info, _ = s.get("/get_server_info")
+        assert code == 200
+        assert "topsecret" not in json.dumps(info)
+        assert json.loads(info["hicache_storage_backend_extra_config"])["path"] == str(tmp_path)
+    finally:
+        assert s.stop() == 0

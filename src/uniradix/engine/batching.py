@@ -131,7 +131,7 @@ class Batching:
         req.output_ids.append(tok)
         st.tokens.append(tok)
         req.metrics.output_tokens = len(req.output_ids)
-        if tok in req.sampling.stop_ids:
+        if tok in req.sampling.stop_set:
             req.finish_reason, req.matched_stop = "stop", tok
         elif req.sampling.stop and (hit := self._stop_string(req)) is not None:
             req.finish_reason, req.matched_stop = "stop", hit

@@ -3,12 +3,13 @@ parameters, and the per-request metrics."""
 from __future__ import annotations
 
 import itertools
-import math
 import numbers
 import time
 from array import array
 from dataclasses import dataclass, field
+from functools import cached_property
 
+from ..config import finite_number
 from ..tree.keys import check_priority, check_session_id, salt_key
 
 _ids = itertools.count()
@@ -24,10 +25,6 @@ def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-
 def check_token_ids(name: str, ids, vocab_size: int | None = None) -> list[int]:
     """A list of token ids from a sequence of ints in [0, vocab_size): not a str or bytes
     (whose items would pass for ids), and no floats, bools or strings inside."""
@@ -41,11 +38,11 @@ def check_token_ids(name: str, ids, vocab_size: int | None = None) -> list[int]:
             if not _is_int(t):
                 raise ValueError(f"{name} must hold ints, got {type(t).__name__} {t!r:.20}")
             out.append(int(t))
-    if out and vocab_size is not None:
+    if out:
         lo, hi = min(out), max(out)
-        if lo < 0 or hi >= vocab_size:
-            bad = [t for t in out if not 0 <= t < vocab_size][:5]
-            raise ValueError(f"{name}: token ids must be in [0, {vocab_size}), got {bad}")
+        if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+            bad = [t for t in out if t < 0 or (vocab_size is not None and t >= vocab_size)][:5]
+            raise ValueError(f"{name}: token ids must be in [0, {vocab_size or 'vocab'}), got {bad}")
     return list(out)
 
 
@@ -71,11 +68,11 @@ class SamplingParams:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         t = self.temperature
-        if not _is_number(t) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if not finite_number(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r:.40}")
         p = self.top_p
-        if not _is_number(p) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got {p!r}")
+        if not finite_number(p) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got {p!r:.40}")
         if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise ValueError(f"top_k must be -1 (all tokens) or an int >= 1, got {self.top_k!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -92,6 +89,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @cached_property
+    def stop_set(self) -> frozenset:
+        """stop_ids for the per-token membership test."""
+        return frozenset(self.stop_ids)
 
 
 @dataclass

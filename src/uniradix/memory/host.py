@@ -5,12 +5,11 @@ give."""
 
 from __future__ import annotations
 
-import math
-import numbers
 
 import numpy as np
 import torch
 
+from ..config import finite_number
 from .budget import handle_count
 from .kv import KVPool
 from .mamba import MambaStatePool
@@ -64,7 +63,7 @@ def host_sizes(pools: dict, *, ratio: float = 2.0, size_gb: float | None = None)
     ``accounting_only``), so the sizes can be checked before anything is allocated."""
     if size_gb is not None:
         flags = ("--hicache-size",)
-        if not (_is_number(size_gb) and math.isfinite(size_gb) and size_gb > 0):
+        if not (finite_number(size_gb) and size_gb > 0):
             raise ValueError(f"--hicache-size must be a positive number of GB, got {size_gb!r}")
         asked = size_gb * 2**30
         device_bytes = sum(p.nbytes for p in pools.values() if not p.accounting_only)
@@ -76,7 +75,7 @@ def host_sizes(pools: dict, *, ratio: float = 2.0, size_gb: float | None = None)
             raise ValueError(
                 f"--hicache-size {size_gb} GB ({int(asked)} bytes) must be larger than the device "
                 f"tier ({device_bytes} bytes): the host tier must be larger than the device tier")
-    elif _is_number(ratio) and math.isfinite(ratio) and ratio > 1:
+    elif finite_number(ratio) and ratio > 1:
         flags = ("--hicache-ratio",)
     else:
         raise ValueError(f"--hicache-ratio must be greater than 1 (the host tier must be larger "
@@ -86,10 +85,6 @@ def host_sizes(pools: dict, *, ratio: float = 2.0, size_gb: float | None = None)
                                f"the host copy of {getattr(p, 'what', f'pool {name!r}')}",
                                getattr(p, "unit", "handles"), flags)
             for name, p in pools.items()}
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 class HandleCopy:

@@ -6,10 +6,9 @@ Every error is a JSON body `{"error": {"message", "type", "code"}}` with a 4xx (
 for a fault of the server's own), so a bad request never kills the server."""
 from __future__ import annotations
 
+import asyncio
 import hmac
-import json
 import logging
-import math
 import time
 
 from fastapi import FastAPI
@@ -19,11 +18,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..cache.audit import AuditError
+from ..config import finite_number
 from ..engine import Request, SamplingParams
 from . import routes_native, routes_openai
 from .jobs import Jobs
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import BadRequest, Job, want
+from .protocol import BadRequest, Job, parse_json, want
 from .runner import EngineRunner
 from .settings import ServerConfig
 
@@ -68,20 +68,18 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
         return error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     async def read_body(request: HTTPRequest, empty_ok: bool = False):
-        raw = b""
+        """The body as JSON, parsed off the event loop (a large one takes a while)."""
+        parts, size = [], 0
         async for part in request.stream():
-            raw += part
-            if len(raw) > config.max_request_bytes:
+            parts.append(part)
+            size += len(part)
+            if size > config.max_request_bytes:
                 raise BadRequest(f"the request body is over {config.max_request_bytes} bytes "
                                  f"(--max-request-bytes)", 413)
-        if not raw.strip() and empty_ok:
+        raw = b"".join(parts)
+        if empty_ok and not raw.strip():
             return {}
-        try:
-            return json.loads(raw, parse_constant=_no_constant)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the request body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise BadRequest("the request body nests too deeply") from None
+        return await asyncio.to_thread(parse_json, raw)
 
     @app.get("/health")
     async def health():
@@ -94,7 +92,7 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
         req = Request(input_ids=[1 % engine.model.vocab_size], sampling=SamplingParams(max_new_tokens=1))
         job = Job(req)
         try:
-            streams = jobs.start([job])
+            streams = await jobs.start([job])
         except BadRequest as e:
             return error(503, f"cannot generate: {e.message}")
         outs = await jobs.finish([job], streams, _never)
@@ -107,10 +105,10 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
         body = await read_body(request, empty_ok=True)
         want(isinstance(body, dict), "the request body", "a JSON object", body)
         timeout = body.get("timeout")
-        want(timeout is None or (isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
-                                 and math.isfinite(timeout) and timeout > 0), "timeout", "a number > 0", timeout)
+        want(timeout is None or (finite_number(timeout) and timeout > 0), "timeout", "a finite number > 0", timeout)
         sid = body.get("session_id")
-        want(sid is None or (isinstance(sid, str) and sid), "session_id", "a non-empty string", sid)
+        want(sid is None or (isinstance(sid, str) and sid) or (isinstance(sid, int) and not isinstance(sid, bool)),
+             "session_id", "a non-empty string or an int", sid)
         return await runner.run(lambda: runner.sessions.open(sid, timeout))
 
     @app.post("/close_session")
@@ -127,6 +125,8 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
         """Empty the device and host tiers; what they wrote to L3 on the way out is in the
         store when this answers (the store itself is shared: never flushed from here)."""
         def flush():
+            if engine.running or engine.waiting or engine.prefetching:
+                return False
             ok = engine.cache.flush()
             engine.flush_writes()
             return ok
@@ -199,10 +199,6 @@ class Guard:
             return error(413, f"the request body is {size} bytes; the limit is {cfg.max_request_bytes} "
                               f"(--max-request-bytes)")
         return None
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
 
 
 async def _never() -> bool:

@@ -24,22 +24,31 @@ class Jobs:
     def eos(self) -> tuple[int, ...]:
         return tuple(getattr(self.engine.model, "eos_token_ids", ()) or ())
 
-    def start(self, jobs: list[Job]) -> list[Stream]:
-        """Check every job, then queue all of them (or none: a 4xx / 503 raised)."""
-        for job in jobs:
-            try:
-                why = self.engine.prepare(job.req)
-            except ValueError as e:
-                raise BadRequest(str(e)) from None
-            if why:
-                raise BadRequest(why)
-        if self.runner.waiting + len(jobs) > self.max_waiting:
-            raise BadRequest(f"the waiting queue is full ({self.max_waiting} requests); retry shortly", 503)
+    async def start(self, jobs: list[Job], names: dict | None = None) -> list[Stream]:
+        """Check every job (off the event loop: tokenizing a long prompt takes a while),
+        then queue all of them, or none: a 4xx / 503 raised. `names`: the API's names
+        for the engine's fields, so that a message names what the client sent."""
+        await asyncio.to_thread(self._prepare, jobs, names or {})
+        if not self.runner.admit(len(jobs), self.max_waiting):
+            raise BadRequest(f"the waiting queue is full ({self.max_waiting} requests beyond the running batch); "
+                             f"retry shortly", 503)
         loop = asyncio.get_running_loop()
         streams = [Stream(job.req, loop) for job in jobs]
         for s in streams:
             self.runner.submit(s)
         return streams
+
+    def _prepare(self, jobs: list[Job], names: dict) -> None:
+        for i, job in enumerate(jobs):
+            try:
+                why = self.engine.prepare(job.req)
+            except ValueError as e:
+                why = str(e)
+            if why:
+                why = why.replace(f"request {job.req.rid}", f"prompt {i}" if len(jobs) > 1 else "the prompt")
+                for engine_name, api_name in names.items():
+                    why = why.replace(engine_name, api_name)
+                raise BadRequest(why)
 
     async def finish(self, jobs: list[Job], streams: list[Stream], disconnected) -> list[TextOut]:
         """Wait until every stream ends; aborts them all if `disconnected()` says the

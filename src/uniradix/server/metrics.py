@@ -95,7 +95,8 @@ class ServerMetrics:
             "tombstones": ("tombstones", "nodes whose slot of this component is gone (tombstoned) now", False),
             "cached_pages": ("size", "pages (state slots) the tree holds on the device", False),
             "pool_pages": ("pool_size", "device pool size in pages (state slots)", False),
-            "pool_available_pages": ("pool_available", "device pool pages free (cached pages that could be evicted not counted)", False),
+            "pool_available_pages": ("pool_available", "device pool pages free (cached pages that could be "
+                                                       "evicted not counted)", False),
         }
         for name, (key, doc, is_counter) in per.items():
             fam = (CounterMetricFamily if is_counter else GaugeMetricFamily)(f"uniradix_{name}", doc,

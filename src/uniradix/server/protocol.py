@@ -7,7 +7,9 @@ this does too; OpenAI clients send many optional fields, so the OpenAI routes ig
 the ones they do not use but refuse values they cannot honour (n > 1, logprobs)."""
 from __future__ import annotations
 
+import json
 import numbers
+import re
 from dataclasses import dataclass, field
 
 from ..engine import Request, SamplingParams
@@ -63,16 +65,61 @@ def _session(name: str, v):
     return v
 
 
-def _stops(name: str, v, most: int | None = None) -> tuple[str, ...]:
+#: stop strings a request may give: each is looked for after every token, so a request
+#: with thousands of them would slow every other request in its batch
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+
+
+def _given(d: dict, key: str, default):
+    """d[key], or `default` only when it is absent or null (0 and false are values, and
+    are checked as such)."""
+    v = d.get(key)
+    return default if v is None else v
+
+
+def _stops(name: str, v, most: int = MAX_STOP_STRINGS) -> tuple[str, ...]:
     if v is None:
         return ()
     if isinstance(v, str):
         v = [v]
     want(isinstance(v, list) and all(isinstance(s, str) and s for s in v), name,
          "a non-empty string or a list of them", v)
-    if most is not None and len(v) > most:
+    if len(v) > most:
         raise BadRequest(f"{name}: at most {most} stop sequences, got {len(v)}")
+    if any(len(s) > MAX_STOP_CHARS for s in v):
+        raise BadRequest(f"{name}: a stop sequence holds at most {MAX_STOP_CHARS} characters")
     return tuple(v)
+
+
+def parse_json(raw: bytes):
+    """A request body: JSON (no NaN or Infinity), with no lone surrogate in any string
+    (JSON escapes can write one; no tokenizer takes it and no response can encode it)."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise BadRequest("the request body nests too deeply") from None
+    if re.search(rb"\\u[dD][89a-fA-F]", raw):  # escaped surrogates: look for an unpaired one
+        stack = [(body, "the request body")]
+        while stack:
+            x, at = stack.pop()
+            if isinstance(x, str):
+                try:
+                    x.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise BadRequest(f"{at}: not valid Unicode (an unpaired surrogate)") from None
+            elif isinstance(x, dict):
+                stack.extend((k, at) for k in x)
+                stack.extend((v, k if at == "the request body" else f"{at}.{k}") for k, v in x.items())
+            elif isinstance(x, list):
+                stack.extend((v, f"{at}[{i}]") for i, v in enumerate(x))
+    return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 # ---------------------------------------------------------------------------- SGLang's /generate
@@ -158,17 +205,17 @@ def sampling_from_sglang(sp: dict, eos: tuple[int, ...], prefix: str) -> tuple[S
         v = sp.get(k, k in ("skip_special_tokens", "spaces_between_special_tokens"))
         want(isinstance(v, bool), f"{prefix}.{k}", "true or false", v)
         flags[k] = v
-    stop_ids = sp.get("stop_token_ids") or []
-    _ids(f"{prefix}.stop_token_ids", stop_ids)
+    stop_ids = _ids(f"{prefix}.stop_token_ids", _given(sp, "stop_token_ids", []))
     seed = sp.get("seed", sp.get("sampling_seed"))
-    sampling = make_sampling(prefix, max_new_tokens=sp.get("max_new_tokens", 128),
+    sampling = make_sampling(prefix, {"stop_ids": "stop_token_ids"}, max_new_tokens=sp.get("max_new_tokens", 128),
                              temperature=sp.get("temperature", 1.0), top_p=sp.get("top_p", 1.0),
-                             top_k=sp.get("top_k", -1), seed=seed, stop=_stops(f"{prefix}.stop", sp.get("stop")),
+                             top_k=sp.get("top_k", -1), seed=seed,
+                             stop=_stops(f"{prefix}.stop", sp.get("stop"), MAX_STOP_STRINGS),
                              stop_ids=tuple(stop_ids) + (() if flags["ignore_eos"] else tuple(eos)))
     return sampling, dict(skip_special_tokens=flags["skip_special_tokens"], no_stop_trim=flags["no_stop_trim"])
 
 
-def make_sampling(prefix: str, **kw) -> SamplingParams:
+def make_sampling(prefix: str, names: dict | None = None, **kw) -> SamplingParams:
     if kw.get("top_k") is None:
         kw["top_k"] = -1
     if kw.get("top_p") is None:
@@ -177,14 +224,18 @@ def make_sampling(prefix: str, **kw) -> SamplingParams:
         kw["temperature"] = 1.0
     try:
         return SamplingParams(**kw)
-    except ValueError as e:  # SamplingParams names the field
-        raise BadRequest(f"{prefix}.{e}" if prefix else str(e)) from None
+    except ValueError as e:  # SamplingParams names the field (by the engine's name)
+        msg = str(e)
+        for engine_name, api_name in (names or {}).items():
+            msg = msg.replace(engine_name, api_name)
+        raise BadRequest(f"{prefix}.{msg}" if prefix else msg) from None
 
 
 # ---------------------------------------------------------------------------- OpenAI
 #: new tokens when a request names none: OpenAI's 16 for completions; a chat reply needs
 #: more (OpenAI fills the context; 128 is SGLang's native default)
 COMPLETION_MAX_TOKENS = 16
+OPENAI_NAMES = {"max_new_tokens": "max_tokens", "stop_ids": "stop_token_ids"}
 CHAT_MAX_TOKENS = 128
 
 
@@ -200,10 +251,10 @@ def _openai_sampling(body: dict, eos: tuple[int, ...], max_tokens) -> SamplingPa
         only(k, body.get(k, 0), (0, 0.0, None))
     ignore_eos = body.get("ignore_eos", False)
     want(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
-    return make_sampling("", max_new_tokens=max_tokens, temperature=body.get("temperature"),
+    return make_sampling("", OPENAI_NAMES, max_new_tokens=max_tokens, temperature=body.get("temperature"),
                          top_p=body.get("top_p"), top_k=body.get("top_k"), seed=body.get("seed"),
                          stop=_stops("stop", body.get("stop"), 4),
-                         stop_ids=tuple(_ids("stop_token_ids", body.get("stop_token_ids") or []))
+                         stop_ids=tuple(_ids("stop_token_ids", _given(body, "stop_token_ids", [])))
                          + (() if ignore_eos else tuple(eos)))
 
 

@@ -40,7 +40,7 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
         batch, batched, stream = parse_generate(body, jobs.eos(), max_batch)
         for j in batch:
             j.rid = j.rid or new_id()
-        streams = jobs.start(batch)
+        streams = await jobs.start(batch, {"stop_ids": "stop_token_ids"})
         if stream:
             return StreamingResponse(_sse(jobs, batch, streams, batched), media_type="text/event-stream")
         outs = await jobs.finish(batch, streams, request.is_disconnected)

@@ -4,6 +4,7 @@ streamed, with `usage.prompt_tokens_details.cached_tokens`. `session_id` is acce
 an extra field, as SGLang does."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -27,6 +28,11 @@ def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode("".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:")
 
 
+#: the engine's field names -> what an OpenAI client sent
+COMPLETION_NAMES = {"input_ids": "prompt", "max_new_tokens": "max_tokens", "stop_ids": "stop_token_ids"}
+CHAT_NAMES = {"input_ids": "messages", "max_new_tokens": "max_tokens", "stop_ids": "stop_token_ids"}
+
+
 def add_routes(app, jobs: Jobs, read_body) -> None:
     name = app.state.model_name
     max_batch = app.state.config.max_batch_prompts
@@ -40,19 +46,20 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
     async def completions(request: HTTPRequest):
         body = await read_body(request)
         batch, stream, include_usage = parse_completion(body, jobs.eos(), max_batch)
-        return await _respond(request, jobs, batch, stream, include_usage, "text_completion", name)
+        return await _respond(request, jobs, batch, stream, include_usage, "text_completion", name, COMPLETION_NAMES)
 
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
         body = await read_body(request)
         messages, sampling, stream, include_usage, sid = parse_chat(body, jobs.eos())
-        ids = chat_prompt(jobs.tokenizer, messages)
+        ids = await asyncio.to_thread(chat_prompt, jobs.tokenizer, messages)
         job = Job(Request(input_ids=ids, sampling=sampling, session_id=sid), sampling.stop)
-        return await _respond(request, jobs, [job], stream, include_usage, "chat.completion", name)
+        return await _respond(request, jobs, [job], stream, include_usage, "chat.completion", name, CHAT_NAMES)
 
 
-async def _respond(request, jobs: Jobs, batch: list[Job], stream: bool, include_usage: bool, kind: str, name: str):
-    streams = jobs.start(batch)
+async def _respond(request, jobs: Jobs, batch: list[Job], stream: bool, include_usage: bool, kind: str, name: str,
+                   names: dict):
+    streams = await jobs.start(batch, names)
     rid = new_id("chatcmpl-" if kind == "chat.completion" else "cmpl-")
     created = int(time.time())
     if stream:

@@ -41,8 +41,8 @@ class Stream:
 
 
 class EngineRunner:
-    """Owns the engine on one thread. `waiting` and `running` are the last counts the
-    thread saw (what the HTTP side reads for its queue limit)."""
+    """Owns the engine on one thread. `backlog()` is what the HTTP side's queue limit
+    reads: requests handed over and not yet started beyond the batch's free places."""
 
     def __init__(self, engine: Engine, metrics=None, session_timeout: float | None = None) -> None:
         self.engine = engine
@@ -54,8 +54,9 @@ class EngineRunner:
         self._stopping = False
         self._closed = False
         self.thread = threading.Thread(target=self._loop, name="uniradix-scheduler", daemon=True)
-        self.waiting = 0
-        self.running = 0
+        self._inbox_submits = 0     # submits in the inbox (under _wake)
+        self._engine_waiting = 0    # the engine's queues, as the thread last saw them
+        self._running = 0
         self.output_tokens = 0
         self.failure: BaseException | None = None
 
@@ -64,9 +65,22 @@ class EngineRunner:
         self.thread.start()
 
     def submit(self, stream: Stream) -> None:
-        """Queue a prepared request (Engine.prepare has checked it)."""
-        self.waiting += 1  # counted at once, so a burst sees its own queue
+        """Queue a prepared request (Engine.prepare has checked it; `admit` counted it)."""
         self._put(("submit", stream))
+
+    def admit(self, n: int, limit: int) -> bool:
+        """Whether n more requests keep the queue beyond the running batch within
+        `limit`; if so they are counted as handed over at once (submit them next)."""
+        with self._wake:
+            free = max(0, self.engine.max_running - self._running)
+            if self._inbox_submits + self._engine_waiting + n - free > limit:
+                return False
+            self._inbox_submits += n
+            return True
+
+    def backlog(self) -> int:
+        with self._wake:
+            return self._inbox_submits + self._engine_waiting
 
     def abort(self, req: Request) -> None:
         self._put(("abort", req))
@@ -78,14 +92,27 @@ class EngineRunner:
         return fut
 
     async def run(self, fn):
-        """`call` for coroutines."""
-        return await asyncio.wrap_future(self.call(fn))
+        """`call` for coroutines; a 503 once the thread has stopped."""
+        fut = self.call(fn)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            if not fut.cancelled():
+                raise  # the handler itself was cancelled
+        from .protocol import BadRequest
+        raise BadRequest("the server is shutting down", 503)
+
+    def request_stop(self, timeout: float) -> None:
+        """Refuse new requests from now, let running ones finish for up to `timeout`
+        seconds, then abort the rest (their clients get an abort, not a cut), wait for
+        queued L3 writes and end the thread. Returns at once (a signal handler calls it)."""
+        self._put(("stop", time.monotonic() + timeout))
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Let running requests finish for up to `timeout` seconds, abort the rest, wait
-        for queued L3 writes, and end the thread."""
-        self._put(("stop", time.monotonic() + timeout))
-        self.thread.join()
+        """request_stop, then wait for the thread to end."""
+        self.request_stop(timeout)
+        if self.thread.is_alive():
+            self.thread.join()
 
     def _put(self, item) -> None:
         with self._wake:
@@ -93,6 +120,8 @@ class EngineRunner:
                 self._inbox.append(item)
                 self._wake.notify()
                 return
+            if item[0] == "submit":
+                self._inbox_submits -= 1
         kind, arg = item  # the thread has ended: nothing will run
         if kind == "submit":
             _refuse(arg)
@@ -107,7 +136,8 @@ class EngineRunner:
             while True:
                 for kind, arg in self._drain(eng):
                     if kind == "stop":
-                        self._stopping, deadline = True, arg
+                        self._stopping = True
+                        deadline = arg if deadline is None else min(deadline, arg)
                     else:
                         self._handle(kind, arg)
                 if self._stopping and (not self._busy() or time.monotonic() >= deadline):
@@ -137,7 +167,9 @@ class EngineRunner:
     def _handle(self, kind: str, arg) -> None:
         eng = self.engine
         if kind == "submit":
-            self.waiting -= 1
+            with self._wake:
+                self._inbox_submits -= 1
+                self._engine_waiting += 1
             req = arg.req
             if self._stopping:
                 _refuse(arg)
@@ -160,17 +192,20 @@ class EngineRunner:
     def _emit(self, finished: list[Request]) -> None:
         """New tokens to every stream that has some; the finished ones end."""
         now = time.perf_counter()
-        m = self.metrics
         for req in finished:  # a request that never ran (failed at admission) ends here too
             s = self.streams.get(req.rid)
             if s is not None:
                 self._send(s, now)
         for s in list(self.streams.values()):
             self._send(s, now)
+        self._count_queues()
+
+    def _count_queues(self) -> None:
         eng = self.engine
-        self.waiting, self.running = len(eng.waiting), len(eng.running) + len(eng.prefetching)
-        if m is not None:
-            m.gauges(self.running, self.waiting, len(self.sessions))
+        with self._wake:
+            self._engine_waiting, self._running = len(eng.waiting), len(eng.running) + len(eng.prefetching)
+        if self.metrics is not None:
+            self.metrics.gauges(self._running, self._engine_waiting, len(self.sessions))
 
     def _send(self, s: Stream, now: float) -> None:
         req = s.req
@@ -193,8 +228,12 @@ class EngineRunner:
         s.push(new, req.done)
         if req.done:
             del self.streams[req.rid]
-            if req.session_id is not None:
-                self.sessions.end(req.session_id)
+            sid = req.session_id
+            if sid is not None:
+                if sid in self.sessions:
+                    self.sessions.end(sid)
+                else:  # closed while this turn ran: the turn's own reference goes too
+                    self.engine.close_session(sid)
             if m is not None:
                 m.finished(req)
 

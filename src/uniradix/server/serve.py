@@ -54,8 +54,12 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
     runner.start()
     host, port = sock.getsockname()[:2]
     print(f"uniradix serve: {model_name} on http://{host}:{port}", flush=True)
-    server = _server_class()(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=config.graceful_timeout,
-                                           lifespan="off"))
+    # on a signal the runner gets the graceful deadline: it aborts what is still running
+    # then, so every handler answers (503, or an aborted stream's last chunk) before
+    # uvicorn's own, later deadline would cut connections
+    server = _server_class()(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=config.graceful_timeout + 10),
+                             lambda: runner.request_stop(config.graceful_timeout))
     try:
         server.run(sockets=[sock])
     finally:
@@ -71,10 +75,16 @@ def _server_class():
     import uvicorn
 
     class Server(uvicorn.Server):
-        """A signal asks the server to stop, not the process to die: after the graceful
-        shutdown `serve` returns and the process exits 0 (uvicorn re-raises it)."""
+        """A signal asks the server to stop, not the process to die: `on_exit` starts the
+        runner's graceful stop, and after the shutdown `serve` returns and the process
+        exits 0 (uvicorn would re-raise the signal)."""
+
+        def __init__(self, config, on_exit) -> None:
+            super().__init__(config)
+            self.on_exit = on_exit
 
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
+            self.on_exit()
     return Server

@@ -1,6 +1,11 @@
-"""A job's output text as its tokens arrive: decoded, cut at the first stop string, and
-never showing what a later token could still change (an incomplete character, the
-start of a stop string), so that a stream's text only ever grows."""
+"""A job's output text as its tokens arrive: decoded incrementally, cut at the first
+stop string, and never showing what a later token could still change (an incomplete
+character, the start of a stop string), so that a stream's text only ever grows.
+
+Incremental decoding keeps two offsets into the ids: each step decodes only the tokens
+from `prefix` on (a few tokens of context, so that decoders which drop a leading space
+at the start of a sequence treat both decodes alike) and appends what the new tokens
+add. The cost per token stays constant however long the output grows."""
 from __future__ import annotations
 
 
@@ -13,26 +18,45 @@ class TextOut:
         self.trim = bool(stop) and not no_stop_trim
         self.hold = max(map(len, stop), default=1) - 1
         self.ids: list[int] = []
+        self.text = ""        # the decoded text of ids[:read]
+        self.prefix = 0       # context start of the next decode
+        self.read = 0         # ids decoded into self.text
         self.shown = ""
+        self.stopped = False
 
     def decode(self, ids) -> str:
-        try:
-            return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
-        except TypeError:  # the embedded byte tokenizer has no special tokens
-            return self.tokenizer.decode(ids)
+        if self.skip is not None:
+            try:
+                return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+            except TypeError:  # the embedded byte tokenizer has no special tokens
+                self.skip = None
+        return self.tokenizer.decode(ids)
+
+    def _advance(self, final: bool) -> None:
+        """Decode what the new ids add; an incomplete character waits for the next token
+        (or is kept as U+FFFD once the output is final)."""
+        if self.read == len(self.ids):
+            return
+        before = self.decode(self.ids[self.prefix:self.read])
+        now = self.decode(self.ids[self.prefix:])
+        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+            self.text += now[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
 
     def update(self, new: list[int], done: bool) -> str:
         """Add tokens; returns the text that may be shown now (all of it once done)."""
+        if self.stopped:
+            return self.shown
         self.ids.extend(new)
-        text = self.decode(self.ids)
+        self._advance(done)
+        text = self.text
         if self.trim:
-            cut = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+            cut = min((i for i in (text.find(s, max(0, len(self.shown) - self.hold)) for s in self.stop)
+                       if i >= 0), default=-1)
             if cut >= 0:
-                text, done = text[:cut], True
-        if not done:
-            text = text.rstrip("\ufffd")
-            if self.stop and self.hold:
-                text = text[:max(len(self.shown), len(text) - self.hold)]
+                text, done, self.stopped = text[:cut], True, True
+        if not done and self.stop and self.hold:
+            text = text[:max(len(self.shown), len(text) - self.hold)]
         if text.startswith(self.shown):
             self.shown = text
         return self.shown
