@@ -368,7 +368,7 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
                         scheduler=from_args(SchedulerConfig, ns))
 
 
-_SECRET_WORDS = ("secret", "password", "passwd", "token", "credential", "auth")
+_SECRET_WORDS = ("secret", "password", "passwd", "token", "credential", "auth", "key")
 _URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
 
 
@@ -391,6 +391,8 @@ def redact_extra_config(text_value: str) -> str:
             return _URL_PASSWORD.sub(r"\1<hidden>@", v)
         if isinstance(v, dict):
             return {kk: clean(kk, vv) for kk, vv in v.items()}
+        if isinstance(v, list):
+            return [clean(k, vv) for vv in v]
         return v
     return json.dumps({k: clean(k, v) for k, v in cfg.items()})
 

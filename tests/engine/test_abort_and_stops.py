@@ -119,3 +119,32 @@ def test_prepare_then_enqueue_is_submit(make_engine):
     assert "never fit" in eng.prepare(too_big)
     with pytest.raises(ValueError, match="already submitted"):
         eng.prepare(r)
+
+
+def euro_weights():
+    """tiny-hybrid with its layers zeroed and a head that follows byte a with byte b: a
+    greedy run from 0xE2 writes "€€€..." (three tokens per character)."""
+    from uniradix.model import load_model
+    m = load_model("tiny-hybrid")
+    w, cfg = m.weights, m.config
+    for lw in w["layers"]:
+        for k, v in lw.items():
+            if not k.startswith("norm"):
+                lw[k] = torch.zeros_like(v)
+    e = w["embed"]
+    en = e / e.pow(2).mean(-1, keepdim=True).add(cfg.norm_eps).sqrt()
+    head = torch.zeros_like(w["head"])
+    for a, b in {0xE2: 0x82, 0x82: 0xAC, 0xAC: 0xE2}.items():
+        head[:, b] = en[a]
+    w["head"] = head
+    return w
+
+
+def test_a_stop_string_of_multibyte_characters_is_found(make_engine):
+    eng = make_engine("tiny-hybrid", weights=euro_weights())
+    free = eng.generate(input_ids=[5, 0xE2], max_new_tokens=20)
+    assert bytes([0xE2] + free.output_ids).decode("utf-8", "replace").startswith("€€€€€")
+    r = eng.generate(input_ids=[5, 0xE2], max_new_tokens=60, stop="€€€")
+    # "€" is 3 tokens; the output's own text starts 82 AC (two invalid bytes), then
+    # E2 82 AC three times: "€€€" ends at its 11th token (7 tokens hold only "€€")
+    assert r.finish_reason == "stop" and r.matched_stop == "€€€" and len(r.output_ids) == 11

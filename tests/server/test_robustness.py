@@ -359,3 +359,19 @@ def test_server_info_hides_the_secrets_in_the_extra_config(tmp_path):
         assert json.loads(info["hicache_storage_backend_extra_config"])["path"] == str(tmp_path)
     finally:
         assert s.stop() == 0
+
+
+def test_sigterm_right_after_start_up_exits_0():
+    s = ServerProc()
+    assert s.stop() == 0  # the signal lands as soon as the address is printed
+
+
+def test_a_batch_larger_than_the_server_ever_queues_is_400_not_503():
+    s = ServerProc("--max-running-requests", "2", "--max-waiting-requests", "1")
+    try:
+        code, out, _ = s.post("/generate", {"input_ids": [[5, 6]] * 4, "sampling_params": {"max_new_tokens": 1}})
+        assert code == 400 and "--max-waiting-requests" in out["error"]["message"], out
+        code, out, _ = s.post("/generate", {"input_ids": [[5, 6]] * 3, "sampling_params": {"max_new_tokens": 1}})
+        assert code == 200
+    finally:
+        assert s.stop() == 0

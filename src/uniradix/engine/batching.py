@@ -147,12 +147,11 @@ class Batching:
         done.append(req)
 
     def _stop_string(self, req: Request) -> str | None:
-        """The stop string the newest token completed, if any. A string that ends in the
-        newest token lies in the text of the last len(string) tokens (a token is at least
-        one character; a few more cover special and partial-character tokens)."""
-        stop = req.sampling.stop
-        tail = self.tokenizer.decode(req.output_ids[-(max(map(len, stop)) + 4):])
-        return next((s for s in stop if s in tail), None)
+        """The stop string the newest token completed, if any: it lies in the text of the
+        last `stop_tail` tokens (a token is at least one byte)."""
+        sp = req.sampling
+        tail = self.tokenizer.decode(req.output_ids[-sp.stop_tail:])
+        return next((s for s in sp.stop if s in tail), None)
 
     def _store(self, st: RequestState, session_id=None) -> None:
         """Hand the request's computed tokens to the tree (or free them with the cache off)."""

@@ -95,6 +95,13 @@ class SamplingParams:
         """stop_ids for the per-token membership test."""
         return frozenset(self.stop_ids)
 
+    @cached_property
+    def stop_tail(self) -> int:
+        """Output tokens whose text holds any stop string that ends in the newest one:
+        every token is at least one byte (byte-level and byte-fallback vocabularies), so
+        a string's UTF-8 length, and a few more for special tokens that decode to nothing."""
+        return max((len(s.encode("utf-8")) for s in self.stop), default=0) + 4
+
 
 @dataclass
 class RequestMetrics:

@@ -192,7 +192,8 @@ class Guard:
         if cfg.api_key and scope["path"] not in OPEN_ROUTES:
             given = headers.get("authorization", "")
             key = given[7:] if given.lower().startswith("bearer ") else headers.get("x-api-key", "")
-            if not hmac.compare_digest(key.encode(), cfg.api_key.encode()):
+            # the header's raw bytes (decoded as latin-1 above) against the key's UTF-8
+            if not hmac.compare_digest(key.encode("latin-1"), cfg.api_key.encode("utf-8")):
                 return error(401, "a valid API key is required: 'Authorization: Bearer KEY'")
         size = headers.get("content-length", "")
         if size.isdigit() and int(size) > cfg.max_request_bytes:

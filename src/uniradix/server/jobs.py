@@ -29,6 +29,10 @@ class Jobs:
         then queue all of them, or none: a 4xx / 503 raised. `names`: the API's names
         for the engine's fields, so that a message names what the client sent."""
         await asyncio.to_thread(self._prepare, jobs, names or {})
+        most = self.max_waiting + self.engine.max_running
+        if len(jobs) > most:  # it would be refused however idle the server is
+            raise BadRequest(f"a batch of {len(jobs)} prompts is more than this server queues at once ({most}: "
+                             f"--max-waiting-requests + --max-running-requests)")
         if not self.runner.admit(len(jobs), self.max_waiting):
             raise BadRequest(f"the waiting queue is full ({self.max_waiting} requests beyond the running batch); "
                              f"retry shortly", 503)

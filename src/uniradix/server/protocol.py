@@ -239,7 +239,7 @@ OPENAI_NAMES = {"max_new_tokens": "max_tokens", "stop_ids": "stop_token_ids"}
 CHAT_MAX_TOKENS = 128
 
 
-def _openai_sampling(body: dict, eos: tuple[int, ...], max_tokens) -> SamplingParams:
+def _openai_sampling(body: dict, eos: tuple[int, ...], max_tokens, names: dict = OPENAI_NAMES) -> SamplingParams:
     only("n", body.get("n", 1), (1, None))
     only("best_of", body.get("best_of"), (1, None))
     only("echo", body.get("echo", False), (False, None))
@@ -251,7 +251,7 @@ def _openai_sampling(body: dict, eos: tuple[int, ...], max_tokens) -> SamplingPa
         only(k, body.get(k, 0), (0, 0.0, None))
     ignore_eos = body.get("ignore_eos", False)
     want(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
-    return make_sampling("", OPENAI_NAMES, max_new_tokens=max_tokens, temperature=body.get("temperature"),
+    return make_sampling("", names, max_new_tokens=max_tokens, temperature=body.get("temperature"),
                          top_p=body.get("top_p"), top_k=body.get("top_k"), seed=body.get("seed"),
                          stop=_stops("stop", body.get("stop"), 4),
                          stop_ids=tuple(_ids("stop_token_ids", _given(body, "stop_token_ids", [])))
@@ -324,6 +324,7 @@ def parse_chat(body, eos: tuple[int, ...]) -> tuple[list[dict], SamplingParams, 
     rf = body.get("response_format")
     if rf is not None:
         want(isinstance(rf, dict) and rf.get("type") == "text", "response_format", '{"type": "text"}', rf)
-    mt = body.get("max_completion_tokens")
-    mt = body.get("max_tokens") if mt is None else mt
-    return out, _openai_sampling(body, eos, CHAT_MAX_TOKENS if mt is None else mt), stream, usage, sid
+    mt, names = body.get("max_completion_tokens"), {**OPENAI_NAMES, "max_new_tokens": "max_completion_tokens"}
+    if mt is None:
+        mt, names = body.get("max_tokens"), OPENAI_NAMES
+    return out, _openai_sampling(body, eos, CHAT_MAX_TOKENS if mt is None else mt, names), stream, usage, sid

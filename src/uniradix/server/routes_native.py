@@ -3,6 +3,7 @@ streamed as server-sent events (the cumulative text in each chunk, `data: [DONE]
 the end), with `meta_info` carrying the cached tokens and their split by tier."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 from fastapi import Request as HTTPRequest
@@ -37,7 +38,7 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
     @app.post("/generate")
     async def generate(request: HTTPRequest):
         body = await read_body(request)
-        batch, batched, stream = parse_generate(body, jobs.eos(), max_batch)
+        batch, batched, stream = await asyncio.to_thread(parse_generate, body, jobs.eos(), max_batch)
         for j in batch:
             j.rid = j.rid or new_id()
         streams = await jobs.start(batch, {"stop_ids": "stop_token_ids"})

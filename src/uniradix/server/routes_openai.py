@@ -45,7 +45,7 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         body = await read_body(request)
-        batch, stream, include_usage = parse_completion(body, jobs.eos(), max_batch)
+        batch, stream, include_usage = await asyncio.to_thread(parse_completion, body, jobs.eos(), max_batch)
         return await _respond(request, jobs, batch, stream, include_usage, "text_completion", name, COMPLETION_NAMES)
 
     @app.post("/v1/chat/completions")

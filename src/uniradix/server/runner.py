@@ -228,12 +228,8 @@ class EngineRunner:
         s.push(new, req.done)
         if req.done:
             del self.streams[req.rid]
-            sid = req.session_id
-            if sid is not None:
-                if sid in self.sessions:
-                    self.sessions.end(sid)
-                else:  # closed while this turn ran: the turn's own reference goes too
-                    self.engine.close_session(sid)
+            if req.session_id is not None:
+                self.sessions.end(req.session_id)
             if m is not None:
                 m.finished(req)
 
@@ -242,7 +238,12 @@ class EngineRunner:
             self.close_session(sid)
 
     def close_session(self, sid) -> bool:
-        """Drop a session's cache references (the scheduler thread's)."""
+        """Drop a session's cache references (the scheduler thread's). Its turns still
+        running finish outside it: they leave no reference, and a session reopened under
+        the same id is not theirs."""
+        for s in self.streams.values():
+            if s.req.session_id == sid and type(s.req.session_id) is type(sid):
+                s.req.session_id = None
         known = self.sessions.close(sid)
         return self.engine.close_session(sid) or known
 

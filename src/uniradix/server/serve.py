@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 
@@ -52,14 +53,16 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
     runner = EngineRunner(engine, metrics, config.session_timeout)
     app = build_app(runner, config, metrics, model_name, engine_settings)
     runner.start()
-    host, port = sock.getsockname()[:2]
-    print(f"uniradix serve: {model_name} on http://{host}:{port}", flush=True)
     # on a signal the runner gets the graceful deadline: it aborts what is still running
     # then, so every handler answers (503, or an aborted stream's last chunk) before
     # uvicorn's own, later deadline would cut connections
     server = _server_class()(uvicorn.Config(app, log_level="warning", lifespan="off",
                                            timeout_graceful_shutdown=config.graceful_timeout + 10),
                              lambda: runner.request_stop(config.graceful_timeout))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a signal before uvicorn takes over stops it too
+        signal.signal(sig, server.handle_exit)
+    host, port = sock.getsockname()[:2]
+    print(f"uniradix serve: {model_name} on http://{host}:{port}", flush=True)
     try:
         server.run(sockets=[sock])
     finally:

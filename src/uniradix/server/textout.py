@@ -33,13 +33,15 @@ class TextOut:
         return self.tokenizer.decode(ids)
 
     def _advance(self, final: bool) -> None:
-        """Decode what the new ids add; an incomplete character waits for the next token
-        (or is kept as U+FFFD once the output is final)."""
+        """Decode what the new ids add; an incomplete character waits for the next token,
+        at most 3 of them (a character is at most 4 bytes, a token at least one): after
+        that, or once the output is final, the bytes are invalid and show as U+FFFD."""
         if self.read == len(self.ids):
             return
         before = self.decode(self.ids[self.prefix:self.read])
         now = self.decode(self.ids[self.prefix:])
-        if len(now) > len(before) and (final or not now.endswith("\ufffd")):
+        waited = len(self.ids) - self.read
+        if len(now) > len(before) and (final or not now.endswith("\ufffd") or waited > 3):
             self.text += now[len(before):]
             self.prefix, self.read = self.read, len(self.ids)
 
