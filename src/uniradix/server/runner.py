@@ -41,8 +41,8 @@ class Stream:
 
 
 class EngineRunner:
-    """Owns the engine on one thread. `backlog()` is what the HTTP side's queue limit
-    reads: requests handed over and not yet started beyond the batch's free places."""
+    """Owns the engine on one thread. `admit` is the HTTP side's queue limit: requests
+    handed over and not yet started, beyond the batch's free places."""
 
     def __init__(self, engine: Engine, metrics=None, session_timeout: float | None = None) -> None:
         self.engine = engine
@@ -77,10 +77,6 @@ class EngineRunner:
                 return False
             self._inbox_submits += n
             return True
-
-    def backlog(self) -> int:
-        with self._wake:
-            return self._inbox_submits + self._engine_waiting
 
     def abort(self, req: Request) -> None:
         self._put(("abort", req))
@@ -134,7 +130,7 @@ class EngineRunner:
         deadline = None
         try:
             while True:
-                for kind, arg in self._drain(eng):
+                for kind, arg in self._drain():
                     if kind == "stop":
                         self._stopping = True
                         deadline = arg if deadline is None else min(deadline, arg)
@@ -155,7 +151,7 @@ class EngineRunner:
         e = self.engine
         return bool(e.waiting or e.running or e.prefetching)
 
-    def _drain(self, eng: Engine) -> list:
+    def _drain(self) -> list:
         with self._wake:
             if not self._inbox and not self._busy():
                 nd = self.sessions.next_deadline()
