@@ -2,6 +2,7 @@
 talked to over real HTTP, stopped by its PID (SIGTERM, then its exit status)."""
 from __future__ import annotations
 
+import atexit
 import http.client
 import json
 import os
@@ -34,6 +35,12 @@ class ServerProc:
                 raise RuntimeError("uniradix serve did not start")
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        atexit.register(self._kill_if_alive)  # a test that fails before stop() leaves no server behind
+
+    def _kill_if_alive(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
