@@ -33,6 +33,10 @@ class HFModel(PagedModel):
         self.eos_token_ids = ckpt.eos_token_ids()
         self.kinds = layer_types(ckpt.config)
         self.name = ckpt.model_type
+        c = self.config  # the attention shape, read once for the KV pools and the forward
+        self.heads = c["num_attention_heads"]
+        self.kv_heads = c.get("num_key_value_heads") or self.heads
+        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.heads
 
     # ------------------------------------------------------------------ the layer list
     @property
@@ -40,9 +44,7 @@ class HFModel(PagedModel):
         return self.config["vocab_size"]
 
     def kv_shape(self, i: int) -> KVShape:
-        c = self.config
-        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        return KVShape(c["num_key_value_heads"], head_dim, str(self.dtype).removeprefix("torch."))
+        return KVShape(self.kv_heads, self.head_dim, str(self.dtype).removeprefix("torch."))
 
     def recurrent_shape(self, i: int):
         raise NotImplementedError(f"{self.name} has no recurrent layers")
@@ -117,6 +119,11 @@ class HFModel(PagedModel):
         return self.forward(pools, [PagedInput(tokens, 0, pages, slot)])[0]
 
     # ------------------------------------------------------------------ weights
+    def tied_head(self, embed: str = "model.embed_tokens.weight") -> torch.Tensor:
+        """lm_head.weight, or the embedding where the checkpoint ties them."""
+        head = self.weights.get("lm_head.weight")
+        return head if head is not None else self.w(embed)
+
     def w(self, name: str) -> torch.Tensor:
         try:
             return self.weights[name]

@@ -18,15 +18,13 @@ class Gemma3(HFModel):
         super().__init__(ckpt, dtype)
         c = self.config
         self.eps = c.get("rms_norm_eps", 1e-6)
-        self.heads, self.kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
-        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.heads
         self.scale = c.get("query_pre_attn_scalar", self.head_dim) ** -0.5
         # attn_logit_softcapping is not read: Gemma 3 replaced Gemma 2's score capping with
         # QK-norm, and transformers' Gemma3Attention never applies it
         self.final_softcap = c.get("final_logit_softcapping")
         self.rope = {kind: rope_inv_freq(rope_parameters(c, kind), self.head_dim, c.get("max_position_embeddings"))
                      for kind in set(self.kinds)}
-        self.lm_head = self.weights.get("lm_head.weight", self.w("model.embed_tokens.weight"))
+        self.lm_head = self.tied_head()
 
     def embed(self, ids):
         e = self.w("model.embed_tokens.weight")

@@ -57,8 +57,6 @@ class GptOss(HFModel):
         super().__init__(ckpt, dtype)
         c = self.config
         self.eps = c.get("rms_norm_eps", 1e-5)
-        self.heads, self.kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
-        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.heads
         self.scale = self.head_dim ** -0.5
         self.top_k = c.get("num_experts_per_tok") or c.get("experts_per_token") or 4
         self.alpha = c.get("swiglu_alpha", 1.702)
@@ -70,7 +68,7 @@ class GptOss(HFModel):
             params = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                       "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}
         self.rope = rope_inv_freq(yarn_parameters(params, c), self.head_dim, c.get("max_position_embeddings"))
-        self.lm_head = self.weights.get("lm_head.weight", self.w("model.embed_tokens.weight"))
+        self.lm_head = self.tied_head()
 
     def _dequantize(self) -> None:
         """Replace each `<name>_blocks` / `<name>_scales` pair with `<name>` in the model's dtype."""

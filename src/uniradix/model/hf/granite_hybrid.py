@@ -121,9 +121,6 @@ class GraniteHybrid(HFModel):
         super().__init__(ckpt, dtype)
         c = self.config
         self.eps = c.get("rms_norm_eps", 1e-6)
-        self.heads = c["num_attention_heads"]
-        self.kv_heads = c.get("num_key_value_heads") or self.heads
-        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.heads
         self.scale = config_float(c.get("attention_multiplier"), 1.0)
         self.embedding_multiplier = config_float(c.get("embedding_multiplier"), 1.0)
         self.residual_multiplier = config_float(c.get("residual_multiplier"), 1.0)
@@ -215,8 +212,7 @@ class GraniteHybrid(HFModel):
 
     def head(self, x):
         x = rms_norm_llama(x, self.w("model.norm.weight"), self.eps)
-        lm_head = self.weights.get("lm_head.weight")
-        lm_head = lm_head if lm_head is not None else self.w("model.embed_tokens.weight")  # tied
+        lm_head = self.tied_head()
         return linear(x, lm_head) / self.logits_scaling
 
 

@@ -31,9 +31,6 @@ class NemotronH(HFModel):
         c = self.config
         self.root = "backbone." if self.has("backbone.embeddings.weight") else "model."
         self.eps = c.get("layer_norm_epsilon", c.get("rms_norm_eps", 1e-5))
-        self.heads = c["num_attention_heads"]
-        self.kv_heads = c.get("num_key_value_heads") or self.heads
-        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.heads
         self.scale = self.head_dim ** -0.5
         act = c.get("mlp_hidden_act", "relu2")
         if act != "relu2":
@@ -136,8 +133,7 @@ class NemotronH(HFModel):
         return out + self.mlp(p + "shared_experts.", h)
 
     def head(self, x):
-        lm_head = self.weights.get("lm_head.weight")
-        lm_head = lm_head if lm_head is not None else self.w(self.root + "embeddings.weight")
+        lm_head = self.tied_head(self.root + "embeddings.weight")
         return linear(rms_norm(x, self.w(self.root + "norm_f.weight"), self.eps), lm_head)
 
 

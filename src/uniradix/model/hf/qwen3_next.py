@@ -40,8 +40,6 @@ class Qwen3Next(HFModel):
             self.kinds = [FULL if (i + 1) % every == 0 else LINEAR for i in range(c["num_hidden_layers"])]
         self.eps = c.get("rms_norm_eps", 1e-6)
         # attention
-        self.heads, self.kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
-        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.heads
         rope = rope_parameters(c, FULL) or {"rope_type": "default", "rope_theta": 10000.0}
         rope.setdefault("partial_rotary_factor", 0.25)  # the classes' default when the config names none
         self.rope = rope_inv_freq(rope, self.head_dim, c.get("max_position_embeddings"))
@@ -59,7 +57,7 @@ class Qwen3Next(HFModel):
         # weight names: the text model's own, or under the multimodal wrapper's language_model
         self.prefix = "model.language_model." if self.has("model.language_model.embed_tokens.weight") else "model."
         self.embed_w = self.w(self.prefix + "embed_tokens.weight")
-        self.lm_head = self.weights.get("lm_head.weight", self.embed_w)
+        self.lm_head = self.tied_head(self.prefix + "embed_tokens.weight")
         self.top_k = c.get("num_experts_per_tok")
         self.norm_topk = c.get("norm_topk_prob", True)
         self._fuse_experts()
