@@ -27,16 +27,19 @@ def test_a_turn_of_a_closed_session_does_not_touch_its_reopened_namesake(make_en
     loop = asyncio.new_event_loop()
     try:
         a = submit(runner, loop, list(range(3, 40)), 6, "conv")
-        runner._emit(eng.step())
+        eng.step()
+        runner._emit()
         runner.close_session("conv")                    # while turn a runs
         b = submit(runner, loop, list(range(3, 60)), 30, "conv")   # the id reopens itself
         while not a.req.done:
-            runner._emit(eng.step())
+            eng.step()
+            runner._emit()
         assert "conv" in runner.sessions
         assert runner.sessions.expired(now=1e12) == []  # b still runs: it keeps the session
         assert "conv" not in eng.cache.tree.sessions    # a left no reference behind
         while not b.req.done:
-            runner._emit(eng.step())
+            eng.step()
+            runner._emit()
         assert "conv" in eng.cache.tree.sessions        # b's turn is referenced
         assert runner.sessions.expired(now=1e12) == ["conv"]
         assert runner.close_session("conv") and "conv" not in eng.cache.tree.sessions

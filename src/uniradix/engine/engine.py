@@ -260,6 +260,7 @@ class Engine(Admission, Batching):
         c["hit_rate"] = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
         c["waiting"] = len(self.waiting)
         c["running"] = len(self.running)
+        c["prefetching"] = len(self.prefetching)
         c["cache"] = self.cache.stats()
         from ..hicache.l3 import StorageTier
         c.update(self.storage.stats() if self.storage is not None else StorageTier.IDLE)

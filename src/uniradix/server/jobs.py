@@ -105,7 +105,7 @@ def cached_split(req) -> dict:
             "storage": m.storage_tokens}
 
 
-def finish_reason(req, text_out: TextOut | None = None):
+def finish_reason(req):
     """SGLang's finish_reason object."""
     if req.finish_reason == "stop":
         return {"type": "stop", "matched": req.matched_stop}

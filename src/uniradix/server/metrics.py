@@ -2,11 +2,12 @@
 is a ratio of two counters (`uniradix_cached_tokens_total` over
 `uniradix_prompt_tokens_total`, by tier), beside latency histograms the server observes.
 
-The counters are read from a snapshot of `Engine.stats()` taken on the scheduler thread
-at scrape time: what /metrics says is what the engine counted, never a second count."""
+The counters and gauges are read from one snapshot of `Engine.stats()` taken on the
+scheduler thread at scrape time: what /metrics says is what the engine counted, never a
+second count, and a gauge never runs ahead of the counters beside it."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -48,17 +49,8 @@ class ServerMetrics:
                              buckets=_LATENCY, registry=r)
         self.e2e = Histogram("uniradix_e2e_request_latency_seconds", "arrival to last token", buckets=_LATENCY,
                              registry=r)
-        self._running = Gauge("uniradix_running_requests", "requests running (prefetching from L3 included)",
-                              registry=r)
-        self._waiting = Gauge("uniradix_waiting_requests", "requests queued for admission", registry=r)
-        self._sessions = Gauge("uniradix_sessions_open", "sessions open", registry=r)
         self._snapshot: dict | None = None
         r.register(self)
-
-    def gauges(self, running: int, waiting: int, sessions: int) -> None:
-        self._running.set(running)
-        self._waiting.set(waiting)
-        self._sessions.set(sessions)
 
     def finished(self, req) -> None:
         if req.metrics.latency is not None and req.status == "finished":
@@ -86,6 +78,10 @@ class ServerMetrics:
             c.add_metric([tier], v)
         yield c
         yield _counter("output_tokens", "tokens sent to clients", s["output_tokens"])
+        yield GaugeMetricFamily("uniradix_running_requests", "requests running (prefetching from L3 included)",
+                                value=st["running"] + st["prefetching"])
+        yield GaugeMetricFamily("uniradix_waiting_requests", "requests queued for admission", value=st["waiting"])
+        yield GaugeMetricFamily("uniradix_sessions_open", "sessions open", value=s["sessions"])
         yield GaugeMetricFamily("uniradix_session_references", "sessions whose next turn the tree keeps "
                                 "referenced", value=st["cache"]["sessions"])
         comps = st["cache"]["components"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import numbers
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..engine import Request, SamplingParams
 
@@ -31,7 +31,6 @@ class Job:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     rid: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------- field checks

@@ -52,7 +52,6 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
 
 async def _sse(jobs: Jobs, batch: list[Job], streams, batched: bool):
     """Chunks in arrival order across the batch; each names its prompt by `index`."""
-    import asyncio
     outs = [jobs.text_out(j) for j in batch]
     getters = {asyncio.ensure_future(s.get()): i for i, s in enumerate(streams)}
     try:

@@ -139,7 +139,8 @@ class EngineRunner:
                 if self._stopping and (not self._busy() or time.monotonic() >= deadline):
                     break
                 if self._busy():
-                    self._emit(eng.step())
+                    eng.step()
+                    self._emit()
                 self._expire_sessions()
         except BaseException as e:  # a bug in the engine: every stream ends with it
             self.failure = e
@@ -176,7 +177,7 @@ class EngineRunner:
             eng.enqueue(req)
         elif kind == "abort":
             eng.abort(arg, "the client went away")
-            self._emit([arg] if arg.done else [])
+            self._emit()
         elif kind == "call":
             fn, fut = arg
             if fut.set_running_or_notify_cancel():
@@ -185,13 +186,10 @@ class EngineRunner:
                 except BaseException as e:
                     fut.set_exception(e)
 
-    def _emit(self, finished: list[Request]) -> None:
-        """New tokens to every stream that has some; the finished ones end."""
+    def _emit(self) -> None:
+        """New tokens to every stream that has some; the finished ones end (whatever
+        ended them: a step, an abort, a failure at admission)."""
         now = time.perf_counter()
-        for req in finished:  # a request that never ran (failed at admission) ends here too
-            s = self.streams.get(req.rid)
-            if s is not None:
-                self._send(s, now)
         for s in list(self.streams.values()):
             self._send(s, now)
         self._count_queues()
@@ -200,8 +198,6 @@ class EngineRunner:
         eng = self.engine
         with self._wake:
             self._engine_waiting, self._running = len(eng.waiting), len(eng.running) + len(eng.prefetching)
-        if self.metrics is not None:
-            self.metrics.gauges(self._running, self._engine_waiting, len(self.sessions))
 
     def _send(self, s: Stream, now: float) -> None:
         req = s.req
