@@ -177,7 +177,7 @@ def same_weights_dir(tmp_path, tiny, ckpt) -> str:
 # ---------------------------------------------------------------------------- fast tests
 @pytest.mark.parametrize("variant", ["f32", "quant"])
 def test_config_matches_the_checkpoint(tiny, variant):
-    from uniradix.model.hf.checkpoint import layer_types, rope_parameters
+    from uniradix.model.hf.gemma3 import Gemma3
     from uniradix.model.hf.gguf import read_gguf
     ck = read_gguf(tiny[variant])
     c, hf = ck.config, tiny["config"]
@@ -188,9 +188,10 @@ def test_config_matches_the_checkpoint(tiny, variant):
               "final_logit_softcapping", "attn_logit_softcapping"):
         assert c[k] == hf[k], (k, c[k], hf[k])
     assert c["rms_norm_eps"] == pytest.approx(hf["rms_norm_eps"], rel=1e-6)  # GGUF holds it as float32
-    assert layer_types(c) == [S] * 5 + [F]
-    for kind in (S, F):
-        assert rope_parameters(c, kind)["rope_theta"] == hf["rope_parameters"][kind]["rope_theta"]
+    _, layers = Gemma3.read_config(c)  # the family reads the GGUF's config as it reads config.json
+    assert [layer.kind for layer in layers] == [S] * 5 + [F]
+    for layer in layers:
+        assert layer.rope["rope_theta"] == hf["rope_parameters"][layer.kind]["rope_theta"]
     assert c["tie_word_embeddings"] is (variant == "quant")
     assert ck.eos_token_ids() == (1, 7)  # <eos>, and <end_of_turn> (id 7 here) as llama.cpp stops at it
 

@@ -83,8 +83,7 @@ def test_gpt_oss_yarn_matches_transformers(rope):
     """Our inverse frequencies and attention factor against transformers' YaRN, from the
     config.json it writes (current form) and from the legacy rope_theta / rope_scaling."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    from uniradix.model.hf.checkpoint import rope_parameters
-    from uniradix.model.hf.gpt_oss import yarn_parameters
+    from uniradix.model.hf.gpt_oss import GptOss
     from uniradix.model.hf.ops import rope_inv_freq
     cfg = _config(**rope)
     want_inv, want_scale = ROPE_INIT_FUNCTIONS["yarn"](cfg)
@@ -93,7 +92,8 @@ def test_gpt_oss_yarn_matches_transformers(rope):
     legacy["rope_theta"] = current["rope_parameters"]["rope_theta"]
     legacy["rope_scaling"] = {k: v for k, v in current["rope_parameters"].items() if k != "rope_theta"}
     for c in (current, legacy):
-        inv, scale = rope_inv_freq(yarn_parameters(rope_parameters(c), c), cfg.head_dim, c["max_position_embeddings"])
+        _, layers = GptOss.read_config(c)
+        inv, scale = rope_inv_freq(layers[0].rope, cfg.head_dim)
         assert torch.equal(inv, want_inv) and scale == want_scale
 
 

@@ -31,11 +31,19 @@ def supported() -> list[str]:
 
 
 def family_for(ckpt: Checkpoint) -> type[HFModel]:
-    mt = ckpt.model_type
+    try:
+        return family_for_config(ckpt.config)
+    except ValueError as e:
+        raise ValueError(f"{ckpt.path}: {e}") from None
+
+
+def family_for_config(config: dict) -> type[HFModel]:
+    """The family that serves a (text) config by its model_type."""
+    mt = config.get("model_type", "?")
     for f in families():
         if mt in f.model_types:
             return f
-    raise ValueError(f"{ckpt.path}: architecture {mt!r} ({', '.join(ckpt.get('architectures') or [])}) is not "
+    raise ValueError(f"architecture {mt!r} ({', '.join(config.get('architectures') or [])}) is not "
                      f"supported; supported: {', '.join(supported())}")
 
 
@@ -49,4 +57,5 @@ def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> HFModel:
     return family_for(ckpt)(ckpt, dtype)
 
 
-__all__ = ["FAMILY_MODULES", "families", "HFModel", "Checkpoint", "read_checkpoint", "load_checkpoint", "supported"]
+__all__ = ["FAMILY_MODULES", "families", "family_for_config", "HFModel", "Checkpoint", "read_checkpoint",
+           "load_checkpoint", "supported"]

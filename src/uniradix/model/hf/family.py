@@ -1,47 +1,175 @@
-"""What every Hugging Face family shares: the layer list read from its config (which
-states each layer keeps, so the cache's components and pools), the forward skeleton
-(embed, one block per layer, final norm, head) over a Batch, and a no-cache oracle that
-runs the same forward over scratch pools. A family writes `embed`, `block` and `head`
-(and the states its recurrent layers keep)."""
+"""What every Hugging Face family shares: the reading of its config.json (defaults,
+legacy keys, layer kinds, windows and RoPE per layer: config_forms), the layer list
+(which states each layer keeps, so the cache's components and pools), the forward
+skeleton (embed, one block per layer, final norm, head) over a Batch, and a no-cache
+oracle that runs the same forward over scratch pools. A family states how its config
+class reads config.json and writes `embed`, `block` and `head` (and the states its
+recurrent layers keep)."""
 from __future__ import annotations
+
+import json
 
 import torch
 
 from ...specs import FullKV, KVShape, LayerState, RecurrentState, SlidingWindowKV, group_layers
 from ..base import PagedModel
-from .checkpoint import FULL, HYBRID, LINEAR, MAMBA, SLIDING, Checkpoint, layer_types
-from .ops import Batch
+from .checkpoint import Checkpoint
+from .config_forms import FULL, HYBRID, LINEAR, SLIDING, ConfigError, Layer, layer_count, listed_kinds, single_rope, \
+    with_defaults
+from .ops import Batch, rope_inv_freq
 
 FULL_KV = FullKV()
 RECURRENT = RecurrentState()
+#: the keys the families mark their layers with, beside the lists
+LAYER_MARKERS = ("layer_types", "layers_block_type", "sliding_window_pattern", "full_attention_interval",
+                 "hybrid_override_pattern", "attn_layer_indices", "attn_layer_period", "attn_layer_offset")
+#: where a config states its context, first found wins (transformers' name first)
+CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
 
 
 class HFModel(PagedModel):
     """A model loaded from a checkpoint. Subclasses set `model_types` (the config's
-    model_type values they serve) and write embed / block / head; `recurrent_shape(i)`
-    for families with recurrent layers."""
+    model_type values they serve), say how their transformers config class reads
+    config.json (the class attributes and hooks below: `read_config` puts them together)
+    and write embed / block / head; `recurrent_shape(i)` for families with recurrent
+    layers."""
 
     model_types: tuple = ()
+    #: per model_type: the config class's defaults for every key the family reads (a
+    #: multimodal wrapper's text_config is sparse and relies on them)
+    defaults: dict = {}
+    #: legacy key -> current key (the legacy key wins where present, as the classes read it)
+    aliases: dict = {}
+    #: the layer kinds the forward implements
+    layer_kinds: tuple = (FULL,)
+    #: the keys that list the layer kinds, the one transformers prefers first
+    kind_keys: tuple = ("layer_types",)
+    #: the keys derive_kinds reads (where no list is given)
+    pattern_keys: tuple = ()
+    #: RoPE: the base where the config names none; the partial rotary factor where the config
+    #: names none (None: the whole head); False where the forward always rotates the whole head
+    rope_theta_default: float = 10_000.0
+    partial_rotary_default: float | None = None
+    partial_rotary: bool = True
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype = torch.float32) -> None:
         self.ckpt = ckpt
-        self.config = ckpt.config
+        try:
+            self.config, self.layers = self.read_config(ckpt.config)
+        except ConfigError as e:
+            raise ConfigError(e.key, e.why, f"{ckpt.path}: config.json") from None
+        self.kinds = [layer.kind for layer in self.layers]
         self.dtype = dtype
         self.weights = ckpt.tensors
         self.files = ckpt.files
         self.tokenizer = ckpt.tokenizer
         self.eos_token_ids = ckpt.eos_token_ids()
-        self.kinds = layer_types(ckpt.config)
         self.name = ckpt.model_type
-        c = self.config  # the attention shape, read once for the KV pools and the forward
-        self.heads = c["num_attention_heads"]
-        self.kv_heads = c.get("num_key_value_heads") or self.heads
-        self.head_dim = c.get("head_dim") or c["hidden_size"] // self.heads
+        # the attention shape, read once for the KV pools and the forward
+        self.heads, self.kv_heads, self.head_dim = self.attention_shape(self.config)
+        self.rope = self._rope_tables()
+
+    # ------------------------------------------------------------------ config.json
+    @classmethod
+    def read_config(cls, raw: dict) -> tuple[dict, list[Layer]]:
+        """config.json (the text part of a multimodal one) as this family's config class
+        reads it: the config with defaults filled in, and one Layer per layer. Raises
+        ConfigError, naming the key, for what the forward cannot express."""
+        c = with_defaults(raw, cls.defaults.get(raw.get("model_type"), {}), cls.aliases)
+        cls.check_config(c)
+        kinds, key = cls.read_kinds(c)
+        for i, kind in enumerate(kinds):
+            if kind not in cls.layer_kinds:
+                raise ConfigError(key, f"layer {i} is {kind!r}; {cls.__name__} has {', '.join(cls.layer_kinds)} layers")
+        rope = cls.read_rope(c)
+        return c, [Layer(k, cls.read_window(c, i, k), rope.get(k)) for i, k in enumerate(kinds)]
+
+    @classmethod
+    def read_kinds(cls, c: dict) -> tuple[list[str], str]:
+        """The layer kinds and the key they come from: listed (`kind_keys`), else derived."""
+        listed = listed_kinds(c, cls.kind_keys)
+        if listed is None:
+            cls.check_foreign_markers(c)
+            return cls.derive_kinds(c), (cls.pattern_keys or cls.kind_keys)[0]
+        kinds, key = listed
+        if len(kinds) != layer_count(c):
+            raise ConfigError(key, f"lists {len(kinds)} layers, num_hidden_layers is {c['num_hidden_layers']}")
+        return kinds, key
+
+    @classmethod
+    def check_foreign_markers(cls, c: dict) -> None:
+        """Where the kinds are derived: a layer marker another family reads (every
+        `attn_layer_indices` Bamba lists, say) is not silently ignored, as this family's
+        config class would ignore it: the config means layers this reading would not give."""
+        for key in LAYER_MARKERS:
+            if key not in cls.kind_keys and key not in cls.pattern_keys and c.get(key) is not None:
+                raise ConfigError(key, f"{cls.__name__} does not read it; give the layers as "
+                                       f"{cls.kind_keys[0]}")
+
+    @classmethod
+    def derive_kinds(cls, c: dict) -> list[str]:
+        """The kinds where the config lists none (the config class's own rule)."""
+        return [FULL] * layer_count(c)
+
+    @classmethod
+    def read_window(cls, c: dict, i: int, kind: str) -> int | None:
+        """Layer i's sliding window (keys a query reads, itself included); None if it has none."""
+        if kind != SLIDING:
+            return None
+        w = c.get("sliding_window")
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ConfigError("sliding_window", f"layer {i} is sliding_attention, so the window must be a "
+                                                f"positive integer, got {w!r}")
+        return w
+
+    @classmethod
+    def read_rope(cls, c: dict) -> dict:
+        """{layer kind: its RoPE setup, or None}: by default one setup for every attention layer."""
+        rope = single_rope(c, cls.rope_theta_default, cls.partial_rotary_default,
+                           partial_rotary=cls.partial_rotary)
+        return {FULL: rope, SLIDING: rope, HYBRID: rope}
+
+    @classmethod
+    def check_config(cls, c: dict) -> None:
+        """Refuse settings the forward would otherwise ignore (ConfigError, naming the key)."""
+        if c.get("is_causal") is False:
+            raise ConfigError("is_causal", "bidirectional attention is not supported (a causal LM only)")
+
+    @staticmethod
+    def attention_shape(c: dict) -> tuple[int, int, int]:
+        """(query heads, KV heads, head dim) of a config read by read_config."""
+        heads = c["num_attention_heads"]
+        return heads, c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads
+
+    def _rope_tables(self) -> list:
+        """Per layer: (inverse frequencies, attention scaling) of its RoPE, or None; one
+        table per distinct setup."""
+        tables: dict = {}
+        out = []
+        for layer in self.layers:
+            if layer.rope is None:
+                out.append(None)
+                continue
+            key = json.dumps(layer.rope, sort_keys=True, default=repr)
+            if key not in tables:
+                tables[key] = rope_inv_freq(layer.rope, self.head_dim, self.config.get("max_position_embeddings"))
+            out.append(tables[key])
+        return out
 
     # ------------------------------------------------------------------ the layer list
     @property
     def vocab_size(self) -> int:
         return self.config["vocab_size"]
+
+    @property
+    def context_length(self) -> int | None:
+        """`max_position_embeddings` of the config (a GGUF's `<arch>.context_length` is
+        read into it), or the older names some configs use; None if none is given."""
+        for key in CONTEXT_KEYS:
+            v = self.config.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+        return None
 
     def kv_shape(self, i: int) -> KVShape:
         return KVShape(self.kv_heads, self.head_dim, str(self.dtype).removeprefix("torch."))
@@ -51,7 +179,7 @@ class HFModel(PagedModel):
 
     def window(self, i: int) -> int | None:
         """The sliding window of layer i (keys a query reads, itself included)."""
-        return self.config.get("sliding_window") if self.kinds[i] == SLIDING else None
+        return self.layers[i].window
 
     def layer_states(self) -> list[LayerState]:
         out = []
@@ -60,7 +188,7 @@ class HFModel(PagedModel):
                 out.append(LayerState(i, FULL_KV, self.kv_shape(i)))
             if kind == SLIDING:
                 out.append(LayerState(i, SlidingWindowKV(self.window(i)), self.kv_shape(i)))
-            if kind in (LINEAR, MAMBA, HYBRID):
+            if kind in (LINEAR, HYBRID):
                 out.append(LayerState(i, RECURRENT, self.recurrent_shape(i)))
         return out
 

@@ -1,29 +1,92 @@
-"""Gemma 3 (text): sliding-window and full attention layers (five to one), each with
-QK-norm, RoPE bases per layer kind, (1 + w) RMSNorms before and after attention and the
-MLP, the embedding scaled by sqrt(hidden), GELU-tanh MLPs, optional soft-capping."""
+"""Gemma 3 (text, and the text model of the multimodal 4B/12B/27B): sliding-window and
+full attention layers (five to one), each with QK-norm, RoPE bases per layer kind, (1 + w)
+RMSNorms before and after attention and the MLP, the embedding scaled by sqrt(hidden),
+GELU-tanh MLPs, optional soft-capping.
+
+config.json comes in three forms: the released 1B/4B/12B/27B mark the layers with
+`sliding_window_pattern` (every Nth layer full) and give RoPE as `rope_theta` (full
+layers), `rope_local_base_freq` (sliding layers) and `rope_scaling` (full layers only);
+the 270M adds `layer_types`; today's `save_pretrained` writes `layer_types` and
+`rope_parameters` nested by layer kind. The multimodal ones' text_config is sparse:
+Gemma3TextConfig's defaults (below) fill it."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import rope_parameters
+from .config_forms import FULL, SLIDING, ConfigError, every_nth, rope_setup
 from .family import HFModel
-from .ops import apply_rope, paged_attention, rms_norm, rope_cos_sin, rope_inv_freq
+from .ops import apply_rope, paged_attention, rms_norm, rope_cos_sin
+
+#: Gemma3TextConfig's defaults (transformers 5.24) for the keys read here
+TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+    "final_logit_softcapping": None, "use_bidirectional_attention": False,
+}
+#: the RoPE bases where the config names none: full layers, sliding layers
+THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
+LEGACY_THETA = {FULL: "rope_theta", SLIDING: "rope_local_base_freq"}
 
 
 class Gemma3(HFModel):
     model_types = ("gemma3_text", "gemma3")
+    defaults = {"gemma3_text": TEXT_DEFAULTS, "gemma3": TEXT_DEFAULTS}
+    layer_kinds = (FULL, SLIDING)
+    pattern_keys = ("sliding_window_pattern",)
+    partial_rotary = False
+
+    @classmethod
+    def derive_kinds(cls, c):
+        kinds = every_nth(c, "sliding_window_pattern", 6, FULL, SLIDING)
+        hidden = c.get("_sliding_window_pattern")  # written beside layer_types; alone, transformers reads 6
+        if "sliding_window_pattern" not in c and hidden not in (None, 6):
+            raise ConfigError("_sliding_window_pattern", f"{hidden} without layer_types or sliding_window_pattern: "
+                                                         "transformers would read 6; give layer_types")
+        return kinds
+
+    @classmethod
+    def read_rope(cls, c):
+        """Per layer kind, as Gemma3TextConfig reads it: `rope_parameters` nested by kind,
+        `rope_scaling` (legacy) applied to the full layers, the legacy bases (or 1M / 10k)
+        where a kind's setup names none."""
+        params = c.get("rope_parameters")
+        if params is None:
+            params = {}
+        elif not isinstance(params, dict) or set(params) - {FULL, SLIDING}:
+            raise ConfigError("rope_parameters", "must be nested by layer kind (full_attention, sliding_attention), "
+                                                 f"got {params!r:.80}")
+        out = {}
+        for kind in (FULL, SLIDING):
+            p = dict(params.get(kind) or {"rope_type": "default"})
+            key = f"rope_parameters.{kind}"
+            if kind == FULL and c.get("rope_scaling"):
+                p.update(c["rope_scaling"])
+                key = "rope_scaling"
+            legacy = LEGACY_THETA[kind]
+            p.setdefault("rope_theta", c[legacy] if legacy in c else THETA[kind])
+            out[kind] = rope_setup(p, key, c, partial_rotary=False)
+        return out
+
+    @classmethod
+    def check_config(cls, c):
+        super().check_config(c)
+        if c.get("use_bidirectional_attention"):
+            raise ConfigError("use_bidirectional_attention", "bidirectional attention (EmbeddingGemma) is not "
+                                                             "supported")
+        if c.get("hidden_activation") != "gelu_pytorch_tanh":
+            raise ConfigError("hidden_activation", f"{c.get('hidden_activation')!r} is not supported "
+                                                   "(gelu_pytorch_tanh)")
 
     def __init__(self, ckpt, dtype=torch.float32) -> None:
         super().__init__(ckpt, dtype)
         c = self.config
-        self.eps = c.get("rms_norm_eps", 1e-6)
-        self.scale = c.get("query_pre_attn_scalar", self.head_dim) ** -0.5
+        self.eps = c["rms_norm_eps"]
+        self.scale = c["query_pre_attn_scalar"] ** -0.5
         # attn_logit_softcapping is not read: Gemma 3 replaced Gemma 2's score capping with
         # QK-norm, and transformers' Gemma3Attention never applies it
         self.final_softcap = c.get("final_logit_softcapping")
-        self.rope = {kind: rope_inv_freq(rope_parameters(c, kind), self.head_dim, c.get("max_position_embeddings"))
-                     for kind in set(self.kinds)}
         self.lm_head = self.tied_head()
 
     def embed(self, ids):
@@ -36,21 +99,27 @@ class Gemma3(HFModel):
         w = self.w
         N = x.shape[0]
         h = rms_norm(x, w(p + "input_layernorm.weight"), self.eps, 1.0)
-        q = (h @ w(p + "self_attn.q_proj.weight").t()).view(N, self.heads, self.head_dim)
-        k = (h @ w(p + "self_attn.k_proj.weight").t()).view(N, self.kv_heads, self.head_dim)
-        v = (h @ w(p + "self_attn.v_proj.weight").t()).view(N, self.kv_heads, self.head_dim)
+        q = self._proj(h, p + "self_attn.q_proj").view(N, self.heads, self.head_dim)
+        k = self._proj(h, p + "self_attn.k_proj").view(N, self.kv_heads, self.head_dim)
+        v = self._proj(h, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
         q = rms_norm(q, w(p + "self_attn.q_norm.weight"), self.eps, 1.0)
         k = rms_norm(k, w(p + "self_attn.k_norm.weight"), self.eps, 1.0)
-        inv, scaling = self.rope[self.kinds[i]]
+        inv, scaling = self.rope[i]
         cos, sin = rope_cos_sin(batch.pos, inv, scaling, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale)
-        a = a.reshape(N, -1) @ w(p + "self_attn.o_proj.weight").t()
+        a = self._proj(a.reshape(N, -1), p + "self_attn.o_proj")
         x = x + rms_norm(a, w(p + "post_attention_layernorm.weight"), self.eps, 1.0)
         h = rms_norm(x, w(p + "pre_feedforward_layernorm.weight"), self.eps, 1.0)
         g = F.gelu(h @ w(p + "mlp.gate_proj.weight").t(), approximate="tanh")
         m = (g * (h @ w(p + "mlp.up_proj.weight").t())) @ w(p + "mlp.down_proj.weight").t()
         return x + rms_norm(m, w(p + "post_feedforward_layernorm.weight"), self.eps, 1.0)
+
+    def _proj(self, h, name):
+        """h @ W^T, plus the bias where the checkpoint has one (attention_bias)."""
+        y = h @ self.w(name + ".weight").t()
+        bias = self.weights.get(name + ".bias")
+        return y if bias is None else y + bias
 
     def head(self, x):
         logits = rms_norm(x, self.w("model.norm.weight"), self.eps, 1.0) @ self.lm_head.t()

@@ -17,7 +17,8 @@ import re
 import numpy as np
 import torch
 
-from .checkpoint import FULL, SLIDING, Checkpoint
+from .checkpoint import Checkpoint
+from .config_forms import FULL, SLIDING
 
 #: GGUF tensor names (blk.N.<part>) -> Hugging Face names, per architecture
 _GEMMA3_BLOCK = {

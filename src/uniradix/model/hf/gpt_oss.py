@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import rope_parameters
+from .config_forms import FULL, SLIDING, layer_count, single_rope
 from .family import HFModel
-from .ops import FEW_TOKENS, apply_rope, paged_attention, rms_norm, rope_cos_sin, rope_inv_freq
+from .ops import FEW_TOKENS, apply_rope, paged_attention, rms_norm, rope_cos_sin
 
 #: the 16 values of an FP4 (E2M1) code, sign bit highest
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -41,33 +41,45 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, name: str = "?"
     return vals.reshape(E, R, G * B * 2).transpose(1, 2).contiguous()
 
 
-def yarn_parameters(params: dict, config: dict) -> dict:
-    """gpt-oss's RoPE setup as transformers reads it: a YaRN config without `factor`
-    takes max_position_embeddings / original_max_position_embeddings."""
-    params = dict(params)
-    if params.get("rope_type") == "yarn" and params.get("factor") is None:
-        params["factor"] = config["max_position_embeddings"] / params["original_max_position_embeddings"]
-    return params
+#: GptOssConfig's defaults (transformers 5.24) for the keys read here
+DEFAULTS = {
+    "num_hidden_layers": 36, "num_local_experts": 128, "vocab_size": 201088, "hidden_size": 2880,
+    "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "sliding_window": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "num_experts_per_tok": 4,
+    "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+}
+#: GptOssConfig's RoPE where the config gives none: YaRN x32 over 4096 (theta: 150k)
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
 
 
 class GptOss(HFModel):
     model_types = ("gpt_oss",)
+    defaults = {"gpt_oss": DEFAULTS}
+    aliases = {"num_experts": "num_local_experts"}
+    layer_kinds = (SLIDING, FULL)
+    rope_theta_default = 150_000.0
+    partial_rotary = False
+
+    @classmethod
+    def derive_kinds(cls, c):
+        return [SLIDING if (i + 1) % 2 else FULL for i in range(layer_count(c))]
+
+    @classmethod
+    def read_rope(cls, c):
+        rope = single_rope(c, cls.rope_theta_default, fallback=DEFAULT_ROPE, partial_rotary=False)
+        return {FULL: rope, SLIDING: rope}
 
     def __init__(self, ckpt, dtype=torch.float32) -> None:
         super().__init__(ckpt, dtype)
         c = self.config
-        self.eps = c.get("rms_norm_eps", 1e-5)
+        self.eps = c["rms_norm_eps"]
         self.scale = self.head_dim ** -0.5
-        self.top_k = c.get("num_experts_per_tok") or c.get("experts_per_token") or 4
-        self.alpha = c.get("swiglu_alpha", 1.702)
-        self.limit = c.get("swiglu_limit", 7.0)
-        self.experts = c.get("num_local_experts") or c.get("num_experts")
+        self.top_k = c["num_experts_per_tok"]
+        self.alpha = c["swiglu_alpha"]
+        self.limit = c["swiglu_limit"]
+        self.experts = c["num_local_experts"]
         self._dequantize()
-        params = rope_parameters(c)
-        if params is None:  # the config's own default (GptOssConfig: YaRN x32 over 4096, theta 150k)
-            params = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                      "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096}
-        self.rope = rope_inv_freq(yarn_parameters(params, c), self.head_dim, c.get("max_position_embeddings"))
         self.lm_head = self.tied_head()
 
     def _dequantize(self) -> None:
@@ -94,7 +106,7 @@ class GptOss(HFModel):
         q = self._linear(h, p + "self_attn.q_proj").view(N, self.heads, self.head_dim)
         k = self._linear(h, p + "self_attn.k_proj").view(N, self.kv_heads, self.head_dim)
         v = self._linear(h, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
-        inv, scaling = self.rope
+        inv, scaling = self.rope[i]
         cos, sin = rope_cos_sin(batch.pos, inv, scaling, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale, sinks=w(p + "self_attn.sinks"))

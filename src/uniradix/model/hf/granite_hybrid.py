@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from ...specs import RecurrentShape
-from .checkpoint import FULL, LINEAR, MAMBA, rope_parameters
+from .config_forms import FULL, LINEAR, ConfigError, layer_count
 from .family import RECURRENT, HFModel
-from .ops import apply_rope, causal_conv, paged_attention, rms_norm_llama, rope_cos_sin, rope_inv_freq, \
-    run_recurrent
+from .ops import apply_rope, causal_conv, paged_attention, rms_norm_llama, rope_cos_sin, run_recurrent
 
 
 def config_float(v, default: float | None = None) -> float | None:
@@ -114,41 +113,66 @@ class Mamba2:
 
 
 # ---------------------------------------------------------------------------- Granite
+#: GraniteMoeHybridConfig's defaults (transformers 5.24) for the keys read here
+DEFAULTS = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu", "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6, "embedding_multiplier": 1.0, "logits_scaling": 1.0, "residual_multiplier": 1.0,
+    "attention_multiplier": 1.0, "num_local_experts": 8, "num_experts_per_tok": 2, "position_embedding_type": None,
+    "mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_head": "auto", "mamba_d_conv": 4,
+    "mamba_expand": 2, "time_step_limit": (0.0, math.inf),
+}
+
+
 class GraniteHybrid(HFModel):
+    """Config forms: the released Granite-4.0-H list `layer_types` in the legacy names
+    (`mamba`, `attention`) with `position_embedding_type` "nope"; `layers_block_type` is
+    the same list; with neither, every layer is Mamba2 (GraniteMoeHybridConfig)."""
+
     model_types = ("granitemoehybrid",)
+    defaults = {"granitemoehybrid": DEFAULTS}
+    layer_kinds = (LINEAR, FULL)
+    kind_keys = ("layers_block_type", "layer_types")
+    partial_rotary = False
+
+    @classmethod
+    def derive_kinds(cls, c):
+        return [LINEAR] * layer_count(c)
+
+    @classmethod
+    def read_rope(cls, c):
+        """RoPE only where position_embedding_type is "rope" (the released ones: "nope")."""
+        return super().read_rope(c) if c["position_embedding_type"] == "rope" else {}
+
+    @classmethod
+    def check_config(cls, c):
+        super().check_config(c)
+        if c.get("hidden_act") not in ("silu", "swish"):
+            raise ConfigError("hidden_act", f"{c.get('hidden_act')!r} is not supported (silu)")
+        if c["position_embedding_type"] not in (None, "rope", "nope"):
+            raise ConfigError("position_embedding_type", f"{c['position_embedding_type']!r} is not supported "
+                                                         "(None, nope or rope)")
 
     def __init__(self, ckpt, dtype=torch.float32) -> None:
         super().__init__(ckpt, dtype)
         c = self.config
-        self.eps = c.get("rms_norm_eps", 1e-6)
-        self.scale = config_float(c.get("attention_multiplier"), 1.0)
-        self.embedding_multiplier = config_float(c.get("embedding_multiplier"), 1.0)
-        self.residual_multiplier = config_float(c.get("residual_multiplier"), 1.0)
-        self.logits_scaling = config_float(c.get("logits_scaling"), 1.0)
-        self.act = c.get("hidden_act", "silu")
-        if self.act not in ("silu", "swish"):
-            raise ValueError(f"{ckpt.path}: hidden_act {self.act!r} is not supported (silu)")
-        pe = c.get("position_embedding_type")
-        if pe not in (None, "rope", "nope"):
-            raise ValueError(f"{ckpt.path}: position_embedding_type {pe!r} is not supported (None or rope)")
-        self.rope = rope_inv_freq(rope_parameters(c), self.head_dim, c.get("max_position_embeddings")) \
-            if pe == "rope" else None
-        self.top_k = c.get("num_experts_per_tok", 2)
-        self.experts = c.get("num_local_experts", 0) or 0
-        inner = int(c.get("mamba_expand", 2) * c["hidden_size"])
-        heads = c.get("mamba_n_heads", 128)
-        head_dim = c.get("mamba_d_head", "auto")
+        self.eps = c["rms_norm_eps"]
+        self.scale = config_float(c["attention_multiplier"], 1.0)
+        self.embedding_multiplier = config_float(c["embedding_multiplier"], 1.0)
+        self.residual_multiplier = config_float(c["residual_multiplier"], 1.0)
+        self.logits_scaling = config_float(c["logits_scaling"], 1.0)
+        self.top_k = c["num_experts_per_tok"]
+        self.experts = c["num_local_experts"] or 0
+        inner = int(c["mamba_expand"] * c["hidden_size"])
+        heads = c["mamba_n_heads"]
+        head_dim = c["mamba_d_head"]
         head_dim = inner // heads if head_dim in (None, "auto") else head_dim
-        limit = c.get("time_step_limit") or (0.0, math.inf)
+        limit = c["time_step_limit"] or (0.0, math.inf)
         self.mixers = {i: Mamba2(self, f"model.layers.{i}.mamba.", heads=heads, head_dim=head_dim,
-                                 d_state=c.get("mamba_d_state", 256), groups=c.get("mamba_n_groups", 1),
-                                 conv_kernel=c.get("mamba_d_conv", 4), eps=self.eps,
+                                 d_state=c["mamba_d_state"], groups=c["mamba_n_groups"],
+                                 conv_kernel=c["mamba_d_conv"], eps=self.eps,
                                  dt_limit=(config_float(limit[0], 0.0), config_float(limit[1], math.inf)))
-                       for i, k in enumerate(self.kinds) if k in (LINEAR, MAMBA)}
-        for i, k in enumerate(self.kinds):
-            if k not in (FULL, LINEAR, MAMBA):
-                raise ValueError(f"{ckpt.path}: layer {i} is {k!r}; granitemoehybrid has Mamba2 and full "
-                                 f"attention layers")
+                       for i, k in enumerate(self.kinds) if k == LINEAR}
 
     def recurrent_shape(self, i):
         return self.mixers[i].shape(self.dtype)
@@ -163,8 +187,8 @@ class GraniteHybrid(HFModel):
         q = linear(h, self.w(p + "q_proj.weight"), b(p + "q_proj.bias")).view(N, self.heads, self.head_dim)
         k = linear(h, self.w(p + "k_proj.weight"), b(p + "k_proj.bias")).view(N, self.kv_heads, self.head_dim)
         v = linear(h, self.w(p + "v_proj.weight"), b(p + "v_proj.bias")).view(N, self.kv_heads, self.head_dim)
-        if self.rope is not None:
-            inv, scaling = self.rope
+        if self.rope[i] is not None:
+            inv, scaling = self.rope[i]
             cos, sin = rope_cos_sin(batch.pos, inv, scaling, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale)

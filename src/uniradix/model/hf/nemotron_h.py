@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import FULL, LINEAR, MAMBA, MLP, MOE
+from .config_forms import FULL, LINEAR, MLP, MOE, ConfigError, listed_kinds, pattern_kinds
 from .family import RECURRENT, HFModel
 from .granite_hybrid import Mamba2, config_float, linear
 from .ops import paged_attention, rms_norm
@@ -23,41 +23,78 @@ def relu2(x: torch.Tensor) -> torch.Tensor:
     return torch.square(F.relu(x))
 
 
+#: NemotronHConfig's defaults (transformers 5.24) for the keys read here
+DEFAULTS = {
+    "vocab_size": 131072, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 4096, "intermediate_size": 21504, "mlp_hidden_act": "relu2", "ssm_state_size": 128,
+    "mamba_num_heads": 128, "mamba_head_dim": 64, "mamba_hidden_act": "silu", "n_groups": 8, "conv_kernel": 4,
+    "expand": 2, "time_step_min": 0.001, "chunk_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2,
+    "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "layer_norm_epsilon": 1e-5,
+}
+#: the legacy (and attribute_map) names NemotronHConfig still reads
+ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
+           "mamba_dt_min": "time_step_min", "mamba_dt_max": "time_step_max", "mamba_dt_limit": "time_step_limit",
+           "mamba_chunk_size": "chunk_size", "mamba_conv_bias": "use_conv_bias",
+           "num_local_experts": "n_routed_experts"}
+#: hybrid_override_pattern's characters
+PATTERN = {"M": LINEAR, "*": FULL, "-": MLP, "E": MOE}
+
+
 class NemotronH(HFModel):
+    """Config forms: `layers_block_type` (or `layer_types`) in today's names, or the
+    released checkpoints' `hybrid_override_pattern` (M Mamba2, * attention, - MLP, E MoE)
+    with mamba_* names for the mixer's settings; the layer count is the list's length
+    (num_hidden_layers is not read, as in NemotronHConfig)."""
+
     model_types = ("nemotron_h",)
+    defaults = {"nemotron_h": DEFAULTS}
+    aliases = ALIASES
+    layer_kinds = (LINEAR, FULL, MLP, MOE)
+    kind_keys = ("layer_types", "layers_block_type")
+    pattern_keys = ("hybrid_override_pattern",)
+
+    @classmethod
+    def read_kinds(cls, c):
+        listed = listed_kinds(c, cls.kind_keys)  # the list's length is the layer count
+        if listed is not None:
+            return listed
+        cls.check_foreign_markers(c)
+        return cls.derive_kinds(c), cls.pattern_keys[0]
+
+    @classmethod
+    def derive_kinds(cls, c):
+        if c.get("hybrid_override_pattern") is not None:
+            return pattern_kinds(c, "hybrid_override_pattern", PATTERN)
+        return [LINEAR, MOE, FULL, MLP]  # NemotronHConfig's layers when the config names none
+
+    @classmethod
+    def read_rope(cls, c):
+        return {}  # no RoPE: attention finds positions through the Mamba2 layers
+
+    @classmethod
+    def check_config(cls, c):
+        super().check_config(c)
+        if c["mlp_hidden_act"] != "relu2":
+            raise ConfigError("mlp_hidden_act", f"{c['mlp_hidden_act']!r} is not supported (relu2)")
 
     def __init__(self, ckpt, dtype=torch.float32) -> None:
         super().__init__(ckpt, dtype)
         c = self.config
         self.root = "backbone." if self.has("backbone.embeddings.weight") else "model."
-        self.eps = c.get("layer_norm_epsilon", c.get("rms_norm_eps", 1e-5))
+        self.eps = c["layer_norm_epsilon"]
         self.scale = self.head_dim ** -0.5
-        act = c.get("mlp_hidden_act", "relu2")
-        if act != "relu2":
-            raise ValueError(f"{ckpt.path}: mlp_hidden_act {act!r} is not supported (relu2)")
-
-        def first(*keys, default=None):
-            return next((c[k] for k in keys if c.get(k) is not None), default)
-
-        heads, head_dim = c.get("mamba_num_heads", 128), c.get("mamba_head_dim", 64)
         # transformers' mixer clamps dt to [time_step_min, inf), whatever time_step_limit says
-        lo = config_float(first("time_step_min", "mamba_dt_min"), 0.001)
-        mamba = dict(heads=heads, head_dim=head_dim, d_state=c.get("ssm_state_size", 128),
-                     groups=first("n_groups", "mamba_n_groups", default=8),
-                     conv_kernel=first("conv_kernel", "mamba_d_conv", default=4), eps=self.eps,
-                     dt_limit=(lo, math.inf), act=c.get("mamba_hidden_act", "silu"))
+        mamba = dict(heads=c["mamba_num_heads"], head_dim=c["mamba_head_dim"], d_state=c["ssm_state_size"],
+                     groups=c["n_groups"], conv_kernel=c["conv_kernel"], eps=self.eps,
+                     dt_limit=(config_float(c["time_step_min"], 0.001), math.inf), act=c["mamba_hidden_act"])
         self.mixers = {i: Mamba2(self, f"{self.root}layers.{i}.mixer.", **mamba)
-                       for i, k in enumerate(self.kinds) if k in (LINEAR, MAMBA)}
-        for i, k in enumerate(self.kinds):
-            if k not in (FULL, LINEAR, MAMBA, MLP, MOE):
-                raise ValueError(f"{ckpt.path}: layer {i} is {k!r}; nemotron_h has Mamba2, attention, mlp and "
-                                 f"moe layers")
+                       for i, k in enumerate(self.kinds) if k == LINEAR}
         # MoE routing
-        self.top_k = c.get("num_experts_per_tok", 2)
-        self.n_experts = first("n_routed_experts", "num_local_experts", default=0)
-        self.n_group, self.topk_group = c.get("n_group", 1) or 1, c.get("topk_group", 1) or 1
-        self.norm_topk = c.get("norm_topk_prob", True)
-        self.routed_scale = config_float(c.get("routed_scaling_factor"), 1.0)
+        self.top_k = c["num_experts_per_tok"]
+        self.n_experts = c["n_routed_experts"]
+        self.n_group, self.topk_group = c["n_group"] or 1, c["topk_group"] or 1
+        self.norm_topk = c["norm_topk_prob"]
+        self.routed_scale = config_float(c["routed_scaling_factor"], 1.0)
 
     def recurrent_shape(self, i):
         return self.mixers[i].shape(self.dtype)

@@ -44,7 +44,7 @@ def rms_norm_llama(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
 # ---------------------------------------------------------------------------- RoPE
 def rope_inv_freq(params: dict, dim: int, max_positions: int | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the attention scaling of one RoPE setup: `params` as
-    checkpoint.rope_parameters normalises them (rope_type default, linear or yarn,
+    config_forms.rope_setup normalises them (rope_type default, linear or yarn,
     rope_theta, partial_rotary_factor, factor, ...); `dim` the head dimension."""
     rot = int(dim * params.get("partial_rotary_factor", 1.0))
     base = params["rope_theta"]

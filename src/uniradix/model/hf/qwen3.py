@@ -1,25 +1,54 @@
 """Qwen3 (dense): full attention with QK-norm (per head), RoPE, SwiGLU MLPs, Llama-style
-RMSNorms; `layer_types` may mark sliding-window layers. The control of the hybrid
-families: only FULL (and SWA) state."""
+RMSNorms. The control of the hybrid families: only FULL (and SWA) state.
+
+Sliding-window layers, as Qwen3Config reads them: `layer_types`, else every layer from
+`max_window_layers` on when `use_sliding_window` is set; the window is `sliding_window`
+only where `use_sliding_window` is set (the released configs: no sliding layers)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .checkpoint import rope_parameters
+from .config_forms import FULL, SLIDING, ConfigError, layer_count
 from .family import HFModel
-from .ops import apply_rope, paged_attention, rms_norm_llama, rope_cos_sin, rope_inv_freq
+from .ops import apply_rope, paged_attention, rms_norm_llama, rope_cos_sin
+
+#: Qwen3Config's defaults (transformers 5.24) for the keys read here
+DEFAULTS = {
+    "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "hidden_act": "silu",
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "use_sliding_window": False, "sliding_window": 4096,
+    "max_window_layers": 28,
+}
 
 
 class Qwen3(HFModel):
     model_types = ("qwen3",)
+    defaults = {"qwen3": DEFAULTS}
+    layer_kinds = (FULL, SLIDING)
+    partial_rotary = False
+
+    @classmethod
+    def derive_kinds(cls, c):
+        window = c["sliding_window"] if c["use_sliding_window"] else None
+        return [SLIDING if window is not None and i >= c["max_window_layers"] else FULL
+                for i in range(layer_count(c))]
+
+    @classmethod
+    def read_window(cls, c, i, kind):
+        if kind == SLIDING and not c["use_sliding_window"]:
+            raise ConfigError("use_sliding_window", f"is false, so layer {i} (sliding_attention) has no window")
+        return super().read_window(c, i, kind)
+
+    @classmethod
+    def check_config(cls, c):
+        super().check_config(c)
+        if c.get("hidden_act") != "silu":
+            raise ConfigError("hidden_act", f"{c.get('hidden_act')!r} is not supported (silu)")
 
     def __init__(self, ckpt, dtype=torch.float32) -> None:
         super().__init__(ckpt, dtype)
-        c = self.config
-        self.eps = c.get("rms_norm_eps", 1e-6)
-        self.rope = {kind: rope_inv_freq(rope_parameters(c, kind), self.head_dim, c.get("max_position_embeddings"))
-                     for kind in set(self.kinds)}
+        self.eps = self.config["rms_norm_eps"]
         self.lm_head = self.tied_head()
 
     def embed(self, ids):
@@ -34,7 +63,7 @@ class Qwen3(HFModel):
         v = _linear(h, w, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
         q = rms_norm_llama(q, w(p + "self_attn.q_norm.weight"), self.eps)
         k = rms_norm_llama(k, w(p + "self_attn.k_norm.weight"), self.eps)
-        inv, scaling = self.rope[self.kinds[i]]
+        inv, scaling = self.rope[i]
         cos, sin = rope_cos_sin(batch.pos, inv, scaling, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.head_dim ** -0.5)

@@ -11,9 +11,15 @@ an RMSNorm (plain w) of the output times silu(z). Every main RMSNorm scales by (
 
 Qwen3-Next projects [q|k|v|z] and [b|a] with one fused matrix each, grouped by key head;
 Qwen3.5 has separate in_proj_qkv / z / b / a. Qwen3-Next and Qwen3.5-MoE use sparse MoE
-blocks (softmax over all experts, top-k, optionally renormalised, plus a shared expert
-gated by a sigmoid); Qwen3.5 dense has a SwiGLU MLP. The multimodal Qwen3.5 wrapper keeps
-the text model's weights under model.language_model.*.
+blocks (softmax over all experts, top-k, renormalised where norm_topk_prob says so (always
+for Qwen3.5-MoE), plus a shared expert gated by a sigmoid); Qwen3.5 dense has a SwiGLU
+MLP. The multimodal Qwen3.5 wrapper keeps the text model's weights under
+model.language_model.* (read as model.*: checkpoint.py).
+
+Config forms: the released Qwen3-Next gives `full_attention_interval` (every Nth layer
+full, 4 by default) and the legacy `rope_theta` / `partial_rotary_factor` (0.25 by
+default); Qwen3.5 gives `layer_types` and `rope_parameters` (with its multimodal RoPE's
+`mrope_section`, the same rotation for text).
 
 The recurrence runs token by token, so any split of a sequence (chunked prefill, a
 capture at any position, a resume from a checkpoint) reaches the same state; the conv
@@ -24,42 +30,60 @@ import torch
 import torch.nn.functional as F
 
 from ...specs import RecurrentShape
-from .checkpoint import FULL, LINEAR, rope_parameters
+from .config_forms import FULL, LINEAR, ConfigError, every_nth
 from .family import RECURRENT, HFModel
-from .ops import FEW_TOKENS, apply_rope, causal_conv, paged_attention, rms_norm, rope_cos_sin, rope_inv_freq, run_recurrent
+from .ops import FEW_TOKENS, apply_rope, causal_conv, paged_attention, rms_norm, rope_cos_sin, run_recurrent
+
+_COMMON = {"hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 256,
+           "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+           "linear_num_key_heads": 16, "linear_num_value_heads": 32}
+#: the config classes' defaults (transformers 5.24) for the keys read here
+NEXT_DEFAULTS = {**_COMMON, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+                 "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+                 "num_experts_per_tok": 10, "num_experts": 512, "norm_topk_prob": True}
+QWEN3_5_DEFAULTS = {**_COMMON, "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,
+                    "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4}
+QWEN3_5_MOE_DEFAULTS = {**_COMMON, "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+                        "num_attention_heads": 16, "num_key_value_heads": 2, "num_experts_per_tok": 8,
+                        "num_experts": 256}
 
 
 class Qwen3Next(HFModel):
     model_types = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+    defaults = {"qwen3_next": NEXT_DEFAULTS, "qwen3_5_text": QWEN3_5_DEFAULTS, "qwen3_5": QWEN3_5_DEFAULTS,
+                "qwen3_5_moe_text": QWEN3_5_MOE_DEFAULTS, "qwen3_5_moe": QWEN3_5_MOE_DEFAULTS}
+    layer_kinds = (LINEAR, FULL)
+    pattern_keys = ("full_attention_interval",)
+    partial_rotary_default = 0.25  # the classes' default where the config names none
+
+    @classmethod
+    def derive_kinds(cls, c):
+        return every_nth(c, "full_attention_interval", 4, FULL, LINEAR)
+
+    @classmethod
+    def check_config(cls, c):
+        super().check_config(c)
+        if c.get("hidden_act") != "silu":
+            raise ConfigError("hidden_act", f"{c.get('hidden_act')!r} is not supported (silu)")
+        if c["linear_num_value_heads"] % c["linear_num_key_heads"]:
+            raise ConfigError("linear_num_value_heads", f"{c['linear_num_value_heads']} is not a multiple of "
+                                                        f"linear_num_key_heads ({c['linear_num_key_heads']})")
 
     def __init__(self, ckpt, dtype=torch.float32) -> None:
         super().__init__(ckpt, dtype)
         c = self.config
-        if not c.get("layer_types"):  # older configs: every `full_attention_interval`-th layer is full
-            every = c.get("full_attention_interval", 4)
-            self.kinds = [FULL if (i + 1) % every == 0 else LINEAR for i in range(c["num_hidden_layers"])]
-        self.eps = c.get("rms_norm_eps", 1e-6)
-        # attention
-        rope = rope_parameters(c, FULL) or {"rope_type": "default", "rope_theta": 10000.0}
-        rope.setdefault("partial_rotary_factor", 0.25)  # the classes' default when the config names none
-        self.rope = rope_inv_freq(rope, self.head_dim, c.get("max_position_embeddings"))
+        self.eps = c["rms_norm_eps"]
         # gated delta-net
         self.k_heads, self.v_heads = c["linear_num_key_heads"], c["linear_num_value_heads"]
         self.dk, self.dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
-        self.conv_kernel = c.get("linear_conv_kernel_dim", 4)
+        self.conv_kernel = c["linear_conv_kernel_dim"]
         self.key_dim, self.value_dim = self.k_heads * self.dk, self.v_heads * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        if self.v_heads % self.k_heads:
-            raise ValueError(f"{ckpt.path}: linear_num_value_heads ({self.v_heads}) is not a multiple of "
-                             f"linear_num_key_heads ({self.k_heads})")
-        if c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{ckpt.path}: hidden_act {c.get('hidden_act')!r} is not supported (silu)")
-        # weight names: the text model's own, or under the multimodal wrapper's language_model
-        self.prefix = "model.language_model." if self.has("model.language_model.embed_tokens.weight") else "model."
-        self.embed_w = self.w(self.prefix + "embed_tokens.weight")
-        self.lm_head = self.tied_head(self.prefix + "embed_tokens.weight")
+        self.embed_w = self.w("model.embed_tokens.weight")
+        self.lm_head = self.tied_head()
         self.top_k = c.get("num_experts_per_tok")
-        self.norm_topk = c.get("norm_topk_prob", True)
+        # Qwen3.5-MoE's router always renormalises its top-k (its class has no norm_topk_prob)
+        self.norm_topk = c.get("norm_topk_prob", True) if self.name == "qwen3_next" else True
         self._fuse_experts()
 
     def _fuse_experts(self) -> None:
@@ -86,10 +110,10 @@ class Qwen3Next(HFModel):
         return self.embed_w[ids]
 
     def head(self, x):
-        return rms_norm(x, self.w(self.prefix + "norm.weight"), self.eps, 1.0) @ self.lm_head.t()
+        return rms_norm(x, self.w("model.norm.weight"), self.eps, 1.0) @ self.lm_head.t()
 
     def block(self, i, x, batch):
-        p = f"{self.prefix}layers.{i}."
+        p = f"model.layers.{i}."
         h = rms_norm(x, self.w(p + "input_layernorm.weight"), self.eps, 1.0)
         if self.kinds[i] == LINEAR:
             h = self._gdn(i, p + "linear_attn.", h, batch)
@@ -115,7 +139,7 @@ class Qwen3Next(HFModel):
         v = self._linear(p + "v_proj", h).view(N, self.kv_heads, d)
         q = rms_norm(q, self.w(p + "q_norm.weight"), self.eps, 1.0)
         k = rms_norm(k, self.w(p + "k_norm.weight"), self.eps, 1.0)
-        inv, scaling = self.rope
+        inv, scaling = self.rope[i]
         cos, sin = rope_cos_sin(batch.pos, inv, scaling, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=d ** -0.5)
