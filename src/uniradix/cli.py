@@ -56,11 +56,13 @@ def workload_from_args(a: argparse.Namespace):
 
 def cmd_run(a: argparse.Namespace) -> int:
     from .bench import run_multiturn
+    from .redact import redact, redact_logs
+    redact_logs()  # a backend's warning or error that echoes a URL is masked
     try:
         wl = workload_from_args(a)
         engine = engine_from_args(a)
     except (ValueError, OSError, ImportError, RuntimeError) as e:  # RuntimeError: StorageUnavailable
-        print(f"uniradix run: {e}", file=sys.stderr)
+        print(f"uniradix run: {redact(e)}", file=sys.stderr)
         return 2
     model = engine.model
     chat = model.tokenizer if getattr(model.tokenizer, "chat_template", None) else None
@@ -85,7 +87,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             bar.close()
     failed = sum(r.errors for r in reports)
     if a.json:
-        print(json.dumps({"rounds": [r.as_dict() for r in reports], "engine": _plain(engine.stats())}))
+        print(redact(json.dumps({"rounds": [r.as_dict() for r in reports], "engine": _plain(engine.stats())})))
     else:
         _print_rounds(reports)
         _print_engine(engine, a)
@@ -93,7 +95,7 @@ def cmd_run(a: argparse.Namespace) -> int:
             last = [m for m in transcript if m["role"] in ("user", "assistant")][-2:]
             print("client 0, last turn:\n" + "\n".join(f"  {m['role']}: {m['content']!r}" for m in last))
     if failed:
-        why = list(dict.fromkeys(m for r in reports for m in r.error_messages))
+        why = list(dict.fromkeys(redact(m) for r in reports for m in r.error_messages))
         print(f"uniradix run: {failed} of {sum(r.requests for r in reports)} requests failed; "
               f"{'the reason' if len(why) == 1 else 'reasons'}: " + "; ".join(why[:3])
               + (f" (and {len(why) - 3} more)" if len(why) > 3 else ""), file=sys.stderr)

@@ -16,8 +16,9 @@ import argparse
 import json
 import math
 import numbers
-import re
 from dataclasses import MISSING, dataclass, field, fields, replace
+
+from .redact import HIDDEN, redact_value
 
 # ---------------------------------------------------------------------------- checks
 # A check returns None when the value is fine, else what it should be ("an int >= 1").
@@ -102,7 +103,7 @@ def check_fields(cfg) -> None:
         check = md.get("check")
         want = check(v) if check is not None else None
         if want:
-            shown = "<hidden>" if md.get("secret") else repr(v)
+            shown = HIDDEN if md.get("secret") else repr(redact_value(f.name, v))
             raise ValueError(f"{_label(f)} must be {want}, got {shown}")
         # numpy scalars and the like become plain Python numbers (the tree's arithmetic is hot)
         if isinstance(v, numbers.Integral) and not isinstance(v, bool) and type(v) is not int:
@@ -123,14 +124,16 @@ class Settings:
 
     def as_dict(self) -> dict:
         """The settings as a server reports them: secrets hidden, and the secrets inside
-        the extra-config JSON too (keys that name one, passwords in URLs)."""
+        the extra-config JSON and any other text too (uniradix.redact)."""
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
             if f.metadata.get("secret") and v:
-                v = "<hidden>"
+                v = HIDDEN
             elif f.name == "hicache_storage_backend_extra_config" and v:
                 v = redact_extra_config(v)
+            else:
+                v = redact_value(f.name, v)
             out[f.name] = v
         return out
 
@@ -203,6 +206,7 @@ class StorageConfig(Settings):
         None, "backend settings as a JSON object or @file (path, url, prefix, ...), and the tier's own: "
               "prefetch_threshold (tokens beyond the device hit worth a load, default 256), "
               "prefetch_timeout_base / _per_ki_token / _max (seconds, default 1 / 0.25 / 3), "
+              "io_timeout (seconds, default 30: the longest wait for one read or a flush), "
               "model_fingerprint (the model's name in the store), auth_secret (MAC key of the objects)",
         check=optional(text))
     hicache_storage_prefetch_policy: str = setting("best_effort", "how long a request waits for its L3 read",
@@ -215,6 +219,9 @@ class StorageConfig(Settings):
                                                    check=number(at_least=0), extra=True)
     prefetch_timeout_max: float = setting(3.0, "seconds a timeout-policy read may take at most",
                                           check=number(at_least=0), extra=True)
+    io_timeout: float = setting(30.0, "seconds the tier waits for one L3 read (wait_complete too) or for the "
+                                      "pending writes of a flush; past it the call is abandoned and counted",
+                                check=number(above=0), extra=True)
     model_fingerprint: str | None = setting(None, "the model's name in the store (default: a digest "
                                                   "of its config and weights)", check=optional(text),
                                             extra=True)
@@ -240,11 +247,18 @@ class StorageConfig(Settings):
 
 @dataclass(frozen=True)
 class SchedulerConfig(Settings):
-    """Batching and where the model runs."""
+    """Batching, where the model runs, and how long a request may be."""
 
     chunked_prefill_size: int = setting(256, "prefill tokens per step", check=count())
     max_running_requests: int = setting(16, "requests in a batch", check=count())
     device: str = setting("cpu", "cpu or cuda[:N]", check=text)
+    context_length: int | None = setting(
+        None, "the most tokens a request may span, prompt plus new tokens (default: the model's own, "
+              "max_position_embeddings or a GGUF's context_length; the embedded model has none); longer "
+              "requests are refused", check=optional(count(2)))
+    allow_longer_context: bool = setting(
+        False, "let --context-length exceed the model's own context (positions it was not trained on)",
+        check=flag_bool)
 
 
 @dataclass(frozen=True)
@@ -368,33 +382,20 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
                         scheduler=from_args(SchedulerConfig, ns))
 
 
-_SECRET_WORDS = ("secret", "password", "passwd", "token", "credential", "auth", "key")
-_URL_PASSWORD = re.compile(r"(://[^:/@\s]*:)[^@\s]*@")
-
-
 def redact_extra_config(text_value: str) -> str:
-    """The extra config as JSON with the values of secret-looking keys hidden and URL
-    passwords masked; unparseable text is hidden whole (an @file is shown as given)."""
+    """The extra config as JSON with the values of keys that name a secret hidden and
+    the secrets inside its texts (URL passwords, secret query keys) masked, by
+    uniradix.redact's one rule; unparseable text is hidden whole (an @file is shown as
+    given)."""
     if text_value.startswith("@"):
         return text_value
     try:
         cfg = json.loads(text_value)
     except ValueError:
-        return "<hidden>"
+        return HIDDEN
     if not isinstance(cfg, dict):
-        return "<hidden>"
-
-    def clean(k, v):
-        if any(w in str(k).lower() for w in _SECRET_WORDS) and v not in (None, ""):
-            return "<hidden>"
-        if isinstance(v, str):
-            return _URL_PASSWORD.sub(r"\1<hidden>@", v)
-        if isinstance(v, dict):
-            return {kk: clean(kk, vv) for kk, vv in v.items()}
-        if isinstance(v, list):
-            return [clean(k, vv) for vv in v]
-        return v
-    return json.dumps({k: clean(k, v) for k, v in cfg.items()})
+        return HIDDEN
+    return json.dumps(redact_value("", cfg))
 
 
 def parse_extra_config(text_value: str | dict | None) -> dict:

@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -15,10 +16,15 @@ import time
 
 
 class ServerProc:
-    def __init__(self, *flags: str, env: dict | None = None, startup_s: float = 120.0) -> None:
+    """`nofile`: the server's file descriptor limit (soft and hard)."""
+
+    def __init__(self, *flags: str, env: dict | None = None, startup_s: float = 120.0,
+                 nofile: int | None = None) -> None:
         cmd = [sys.executable, "-m", "uniradix.cli", "serve", "--port", "0", *flags]
         e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e)
+        limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
+                                     preexec_fn=limit)
         self.lines: list[str] = []
         self.port = None
         deadline = time.monotonic() + startup_s

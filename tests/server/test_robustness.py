@@ -1,7 +1,8 @@
 """What an operator relies on: every bad input is a 4xx naming the field and the server
 serves on; sessions release their references on close and on idle timeout; a client
-that disconnects gives its pages back; 200 concurrent streams end with every handle
-owned once; the API key; the waiting-queue limit; SIGTERM finishes what runs and exits 0."""
+that disconnects gives its pages back (and one that leaves mid-body is counted, not a
+fault); 200 concurrent streams end with every handle owned once; the API key; the
+waiting-queue limit; SIGTERM finishes what runs and exits 0."""
 import json
 import socket
 import threading
@@ -375,3 +376,29 @@ def test_a_batch_larger_than_the_server_ever_queues_is_400_not_503():
         assert code == 200
     finally:
         assert s.stop() == 0
+
+
+def test_a_client_that_leaves_mid_body_is_counted_not_a_fault(small):
+    """Its doing, not the server's: one info line and a count, no 500, no traceback."""
+    key = "uniradix_client_disconnects_total"
+    before = small.metrics().get(key, 0)
+    lines_before = len(small.lines)
+    sock = socket.create_connection(("127.0.0.1", small.port))
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n" + b'{"input_ids": [' + b"5, " * 50)
+    time.sleep(0.2)  # the head is in and the handler reads the body...
+    sock.close()     # ...when the client goes
+
+    def logged() -> str:
+        return "".join(small.lines[lines_before:])
+    deadline = time.monotonic() + 30
+    while "left during its request" not in logged() and "Traceback" not in logged():
+        assert time.monotonic() < deadline, "nothing was logged"
+        time.sleep(0.05)
+    time.sleep(0.2)  # a second traceback would follow at once
+    new = logged()
+    assert "Traceback" not in new and "ERROR" not in new, new
+    left = [line for line in new.splitlines() if "left during its request" in line]
+    assert len(left) == 1 and " INFO " in left[0] and "1000 body bytes" in left[0], new
+    assert small.metrics()[key] == before + 1
+    assert small.post("/generate", GOOD)[0] == 200

@@ -63,7 +63,7 @@ def test_secrets_inside_the_extra_config_are_hidden():
         "path": "/data", "auth_secret": "s1", "api_key": "s2", "private_key": "s3",
         "hosts": [{"password": "s4"}, "redis://user:s5@127.0.0.1:6379/0"], "nested": {"token": "s6"}})))
     assert "s1" not in json.dumps(shown) and all(f"s{i}" not in json.dumps(shown) for i in range(1, 7))
-    assert shown["path"] == "/data" and shown["hosts"][1] == "redis://user:<hidden>@127.0.0.1:6379/0"
+    assert shown["path"] == "/data" and shown["hosts"][1] == "redis://user:***@127.0.0.1:6379/0"
     assert redact_extra_config("@/etc/uniradix.json") == "@/etc/uniradix.json"
     assert redact_extra_config("{not json") == "<hidden>"
 

@@ -18,6 +18,8 @@ _ids = itertools.count()
 #: temperatures below this are greedy (as SGLang treats them): dividing logits by a
 #: subnormal temperature overflows, and the draw would be an argmax anyway
 GREEDY_BELOW = 1e-5
+#: new tokens when a request names no count
+DEFAULT_MAX_NEW_TOKENS = 16
 
 
 def _is_int(v) -> bool:
@@ -54,17 +56,30 @@ class SamplingParams:
     (the stop token is kept in the output), `stop` strings when the output's text comes
     to contain one (the engine's tokenizer decodes it). Every field is checked here,
     types included, so a bad value is a ValueError naming it, never a failure inside a
-    later step."""
+    later step.
 
-    max_new_tokens: int = 16
+    `max_new_tokens` left out (None) is 16, and `fit_context` then defaults to True:
+    a default the caller did not choose is shortened to the room the model's context
+    leaves after the prompt, where a count the caller gave is refused if it does not fit
+    (as vLLM does). The server sets `fit_context` for its own defaults (an OpenAI request
+    without `max_tokens`, say)."""
+
+    max_new_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = -1
     seed: int | None = None
     stop_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    fit_context: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.fit_context is None:
+            object.__setattr__(self, "fit_context", self.max_new_tokens is None)
+        if not isinstance(self.fit_context, bool):
+            raise ValueError(f"fit_context must be a bool, got {self.fit_context!r}")
+        if self.max_new_tokens is None:
+            object.__setattr__(self, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         t = self.temperature

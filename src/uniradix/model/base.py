@@ -36,6 +36,13 @@ class PagedModel:
     def vocab_size(self) -> int:
         raise NotImplementedError
 
+    @property
+    def context_length(self) -> int | None:
+        """The most positions a sequence may span (prompt plus generated tokens), as the
+        model declares it; None where nothing bounds it (the embedded model computes
+        RoPE for any position). The engine refuses longer requests."""
+        return None
+
     def states(self) -> ModelStates:
         """Each layer's states, grouped into the cache's components (FULL first)."""
         raise NotImplementedError

@@ -16,10 +16,12 @@ from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..cache.audit import AuditError
 from ..config import finite_number
 from ..engine import Request, SamplingParams
+from ..redact import redact, redact_value
 from . import routes_native, routes_openai
 from .jobs import Jobs
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -34,7 +36,7 @@ OPEN_ROUTES = ("/health",)
 
 def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
     kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-            413: "RequestTooLarge", 503: "ServiceUnavailable"}.get(status, "InternalServerError")
+            408: "RequestTimeout", 413: "RequestTooLarge", 503: "ServiceUnavailable"}.get(status, "InternalServerError")
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
                         headers=headers)
 
@@ -52,7 +54,18 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
 
     @app.exception_handler(BadRequest)
     async def bad_request(request, exc: BadRequest):
-        return error(exc.status, exc.message, {"Retry-After": "1"} if exc.status == 503 else None)
+        headers = {503: {"Retry-After": "1"}, 408: {"Connection": "close"}}.get(exc.status)
+        return error(exc.status, exc.message, headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request, exc: ClientDisconnect):
+        """The client's doing, not a fault: counted, one line, no traceback; the answer
+        goes nowhere (499 is nginx's "client closed request")."""
+        metrics.client_disconnects.inc()
+        peer = request.client
+        log.info("client %s left during its request to %s: %s", f"{peer.host}:{peer.port}" if peer else "?",
+                 request.url.path, str(exc) or "the connection closed")
+        return Response(status_code=499)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc):
@@ -65,17 +78,28 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
     @app.exception_handler(Exception)
     async def fault(request, exc):
         log.exception("request to %s failed", request.url.path)
-        return error(500, f"internal error: {type(exc).__name__}: {exc}")
+        return error(500, redact(f"internal error: {type(exc).__name__}: {exc}"))
 
     async def read_body(request: HTTPRequest, empty_ok: bool = False):
-        """The body as JSON, parsed off the event loop (a large one takes a while)."""
+        """The body as JSON, parsed off the event loop (a large one takes a while). It
+        must arrive within --request-body-timeout (408, and the connection closes); a
+        client that leaves before it has is ClientDisconnect (client_left)."""
         parts, size = [], 0
-        async for part in request.stream():
-            parts.append(part)
-            size += len(part)
-            if size > config.max_request_bytes:
-                raise BadRequest(f"the request body is over {config.max_request_bytes} bytes "
-                                 f"(--max-request-bytes)", 413)
+        try:
+            async with asyncio.timeout(config.request_body_timeout):
+                async for part in request.stream():
+                    parts.append(part)
+                    size += len(part)
+                    if size > config.max_request_bytes:
+                        raise BadRequest(f"the request body is over {config.max_request_bytes} bytes "
+                                         f"(--max-request-bytes)", 413)
+        except TimeoutError:
+            metrics.connections_closed.labels("body_timeout").inc()
+            raise BadRequest(f"the request body did not arrive within {config.request_body_timeout:g} seconds "
+                             f"({size} bytes came; --request-body-timeout)", 408) from None
+        except ClientDisconnect:
+            raise ClientDisconnect(f"it left after {size} of {request.headers.get('content-length', '?')} "
+                                   f"body bytes") from None
         raw = b"".join(parts)
         if empty_ok and not raw.strip():
             return {}
@@ -122,8 +146,10 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        """Empty the device and host tiers; what they wrote to L3 on the way out is in the
-        store when this answers (the store itself is shared: never flushed from here)."""
+        """Empty the device and host tiers. Whatever the write policy, what the store
+        lacks of them is written down first (write_back's host-only data included), and
+        it is in the store when this answers, within the storage tier's io_timeout (the
+        store itself is shared: never flushed from here)."""
         def flush():
             if engine.running or engine.waiting or engine.prefetching:
                 return False
@@ -136,14 +162,16 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
 
     @app.get("/get_server_info")
     async def server_info():
-        return {"version": _version(), **engine_settings, **config.as_dict(), "model_name": model_name}
+        return redact_value("", {"version": _version(), **engine_settings, **config.as_dict(),
+                                 "model_name": model_name})
 
     @app.get("/get_model_info")
     async def model_info():
         m = engine.model
         layers = {spec.name: len(ls) for spec, ls in m.states().groups}
         return {"model_path": model_name, "model_type": m.name, "is_generation": True,
-                "vocab_size": m.vocab_size, "eos_token_ids": list(jobs.eos()), "layers": layers,
+                "vocab_size": m.vocab_size, "context_length": engine.context_length,
+                "eos_token_ids": list(jobs.eos()), "layers": layers,
                 "has_chat_template": bool(getattr(m.tokenizer, "chat_template", None))}
 
     @app.get("/audit")

@@ -122,6 +122,8 @@ def _no_constant(name: str):
 
 
 # ---------------------------------------------------------------------------- SGLang's /generate
+#: new tokens when sampling_params names none (SGLang's default)
+GENERATE_MAX_NEW_TOKENS = 128
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "stream", "session_id", "session_params",
                    "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
                    "priority", "modalities"}
@@ -190,7 +192,8 @@ def _per_prompt(name: str, v, n: int, batched: bool, kind) -> list:
 
 
 def sampling_from_sglang(sp: dict, eos: tuple[int, ...], prefix: str) -> tuple[SamplingParams, dict]:
-    """SGLang's sampling_params (its defaults: 128 new tokens, temperature 1)."""
+    """SGLang's sampling_params (its defaults: 128 new tokens, temperature 1; the
+    default count is shortened to the room the context leaves, a given one is not)."""
     unknown = sorted(set(sp) - SAMPLING_FIELDS)
     if unknown:
         raise BadRequest(f"{prefix}: unknown field(s) {unknown}")
@@ -206,7 +209,10 @@ def sampling_from_sglang(sp: dict, eos: tuple[int, ...], prefix: str) -> tuple[S
         flags[k] = v
     stop_ids = _ids(f"{prefix}.stop_token_ids", _given(sp, "stop_token_ids", []))
     seed = sp.get("seed", sp.get("sampling_seed"))
-    sampling = make_sampling(prefix, {"stop_ids": "stop_token_ids"}, max_new_tokens=sp.get("max_new_tokens", 128),
+    count = sp.get("max_new_tokens")
+    sampling = make_sampling(prefix, {"stop_ids": "stop_token_ids"},
+                             max_new_tokens=GENERATE_MAX_NEW_TOKENS if count is None else count,
+                             fit_context=count is None,
                              temperature=sp.get("temperature", 1.0), top_p=sp.get("top_p", 1.0),
                              top_k=sp.get("top_k", -1), seed=seed,
                              stop=_stops(f"{prefix}.stop", sp.get("stop"), MAX_STOP_STRINGS),
@@ -232,13 +238,16 @@ def make_sampling(prefix: str, names: dict | None = None, **kw) -> SamplingParam
 
 # ---------------------------------------------------------------------------- OpenAI
 #: new tokens when a request names none: OpenAI's 16 for completions; a chat reply needs
-#: more (OpenAI fills the context; 128 is SGLang's native default)
+#: more (OpenAI fills the context; 128 is SGLang's native default). Either default is
+#: shortened to the room the context leaves after the prompt; a count the client gave
+#: is refused (400) if it does not fit
 COMPLETION_MAX_TOKENS = 16
 OPENAI_NAMES = {"max_new_tokens": "max_tokens", "stop_ids": "stop_token_ids"}
 CHAT_MAX_TOKENS = 128
 
 
-def _openai_sampling(body: dict, eos: tuple[int, ...], max_tokens, names: dict = OPENAI_NAMES) -> SamplingParams:
+def _openai_sampling(body: dict, eos: tuple[int, ...], max_tokens, default: int,
+                     names: dict = OPENAI_NAMES) -> SamplingParams:
     only("n", body.get("n", 1), (1, None))
     only("best_of", body.get("best_of"), (1, None))
     only("echo", body.get("echo", False), (False, None))
@@ -250,7 +259,8 @@ def _openai_sampling(body: dict, eos: tuple[int, ...], max_tokens, names: dict =
         only(k, body.get(k, 0), (0, 0.0, None))
     ignore_eos = body.get("ignore_eos", False)
     want(isinstance(ignore_eos, bool), "ignore_eos", "true or false", ignore_eos)
-    return make_sampling("", names, max_new_tokens=max_tokens, temperature=body.get("temperature"),
+    return make_sampling("", names, max_new_tokens=default if max_tokens is None else max_tokens,
+                         fit_context=max_tokens is None, temperature=body.get("temperature"),
                          top_p=body.get("top_p"), top_k=body.get("top_k"), seed=body.get("seed"),
                          stop=_stops("stop", body.get("stop"), 4),
                          stop_ids=tuple(_ids("stop_token_ids", _given(body, "stop_token_ids", [])))
@@ -290,7 +300,7 @@ def parse_completion(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[J
     if stream and len(prompts) > 1:
         raise BadRequest("stream with more than one prompt is not supported")
     max_tokens = body.get("max_tokens")
-    sampling = _openai_sampling(body, eos, COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens)
+    sampling = _openai_sampling(body, eos, max_tokens, COMPLETION_MAX_TOKENS)
     jobs = [Job(Request(text=p if kind == "text" else None, input_ids=p if kind == "ids" else None,
                         sampling=sampling, session_id=sid), sampling.stop) for kind, p in prompts]
     return jobs, stream, usage
@@ -326,4 +336,4 @@ def parse_chat(body, eos: tuple[int, ...]) -> tuple[list[dict], SamplingParams, 
     mt, names = body.get("max_completion_tokens"), {**OPENAI_NAMES, "max_new_tokens": "max_completion_tokens"}
     if mt is None:
         mt, names = body.get("max_tokens"), OPENAI_NAMES
-    return out, _openai_sampling(body, eos, CHAT_MAX_TOKENS if mt is None else mt, names), stream, usage, sid
+    return out, _openai_sampling(body, eos, mt, CHAT_MAX_TOKENS, names), stream, usage, sid

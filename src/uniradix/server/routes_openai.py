@@ -40,7 +40,7 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": app.state.started,
-                                            "owned_by": "uniradix"}]}
+                                            "owned_by": "uniradix", "max_model_len": jobs.engine.context_length}]}
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):

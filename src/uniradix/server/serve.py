@@ -1,14 +1,18 @@
 """`uniradix serve`: the engine from the same flags as `uniradix run`, its scheduler
 thread, and the HTTP server on a socket bound here (so `--port 0` can report the port it
 got). SIGTERM or SIGINT: stop accepting, let running requests finish for up to
---graceful-timeout seconds, abort the rest, wait for queued L3 writes, exit 0."""
+--graceful-timeout seconds, abort the rest, wait for queued L3 writes, exit 0. The
+connections' own limits (head timeout, --max-connections) are connections.py's; every
+log line and start-up error goes through uniradix.redact."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import socket
 import sys
+from dataclasses import replace
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -20,35 +24,42 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 def cmd_serve(a: argparse.Namespace) -> int:
     from ..cli import engine_from_args
     from ..config import from_args
+    from ..redact import redact
+    from .connections import connection_budget
     from .settings import ServerConfig
+    _configure_logging()  # before the engine: its start-up warnings are masked too
     try:
         config = from_args(ServerConfig, a)
+        budget = connection_budget(config.max_connections)
         engine = engine_from_args(a)
     except (ValueError, OSError, ImportError, RuntimeError) as e:
-        print(f"uniradix serve: {e}", file=sys.stderr)
+        print(f"uniradix serve: {redact(e)}", file=sys.stderr)
         return 2
     try:
         sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((config.host, config.port))
-        sock.listen(2048)  # connections queue from here on, before uvicorn starts serving
+        sock.listen(budget.backlog)  # connections queue from here on, before uvicorn starts serving
     except OSError as e:
         print(f"uniradix serve: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
         engine.close()
         return 2
     settings = {**engine.config.as_dict(), "model_path": a.model_path, "model_preset": a.model_preset,
-                "dtype": a.dtype}
+                "dtype": a.dtype, "context_length": engine.context_length}
     name = config.served_model_name or a.model_path or a.model_preset
-    return serve(engine, config, sock, name, settings)
+    return serve(engine, config, sock, name, settings, budget)
 
 
-def serve(engine, config, sock: socket.socket, model_name: str, engine_settings: dict) -> int:
+def serve(engine, config, sock: socket.socket, model_name: str, engine_settings: dict, budget=None) -> int:
     import uvicorn
 
     from .app import build_app
+    from .connections import Limits, connection_budget, limited_protocol
     from .metrics import ServerMetrics
     from .runner import EngineRunner
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _configure_logging()
+    budget = budget or connection_budget(config.max_connections)
+    config = replace(config, max_connections=budget.max_connections)  # reported as in force
     metrics = ServerMetrics()
     runner = EngineRunner(engine, metrics, config.session_timeout)
     app = build_app(runner, config, metrics, model_name, engine_settings)
@@ -56,9 +67,15 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
     # on a signal the runner gets the graceful deadline: it aborts what is still running
     # then, so every handler answers (503, or an aborted stream's last chunk) before
     # uvicorn's own, later deadline would cut connections
+    limits = Limits(config.request_header_timeout, budget.max_connections, metrics)
     server = _server_class()(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                           http=limited_protocol(limits), backlog=budget.backlog,
+                                           timeout_keep_alive=config.timeout_keep_alive,
                                            timeout_graceful_shutdown=config.graceful_timeout + 10),
                              lambda: runner.request_stop(config.graceful_timeout))
+    _configure_logging()  # uvicorn's handlers exist now: they mask secrets too
+    shown = {**engine_settings, **config.as_dict()}
+    logging.getLogger("uniradix.server").info("settings: %s", json.dumps(shown, default=str))
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal before uvicorn takes over stops it too
         signal.signal(sig, server.handle_exit)
     host, port = sock.getsockname()[:2]
@@ -72,6 +89,13 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
         sock.close()
     print("uniradix serve: stopped", flush=True)
     return 0 if runner.failure is None else 1
+
+
+def _configure_logging() -> None:
+    """Info lines with their time and logger; every handler masks secrets."""
+    from ..redact import redact_logs
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    redact_logs()
 
 
 def _server_class():

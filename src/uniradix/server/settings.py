@@ -29,5 +29,20 @@ class ServerConfig(Settings):
     session_timeout: float | None = setting(None, "seconds a session may stay unused before it is closed "
                                             "(default: until /close_session; /open_session may set its own)",
                                             check=optional(number(above=0)))
-    graceful_timeout: float = setting(30.0, "seconds SIGTERM waits for running requests before aborting them",
+    graceful_timeout: float = setting(30.0, "seconds a SIGTERM'd server takes at most: running requests finish "
+                                      "(then are aborted), then the tiers are written down to L3 (with L3 the "
+                                      "last quarter is kept for that, at most io_timeout)",
                                       check=number(at_least=0))
+    timeout_keep_alive: float = setting(5.0, "seconds an idle keep-alive connection stays open",
+                                        check=number(above=0))
+    request_header_timeout: float = setting(
+        10.0, "seconds a client has to send a whole request head (request line and headers), from when its "
+              "connection opens or its previous response ends; a slower one is closed (408 if it had begun)",
+        check=number(above=0))
+    request_body_timeout: float = setting(
+        60.0, "seconds a client has to send a whole request body once its head is in (408 beyond)",
+        check=number(above=0))
+    max_connections: int | None = setting(
+        None, "HTTP connections open at once (default: 1024, or what the file descriptor limit leaves room "
+              "for); at the limit the connection waiting longest for a request head is closed to make "
+              "room, or, with every one busy, the new one is answered 503 and closed", check=optional(count()))

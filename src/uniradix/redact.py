@@ -1,0 +1,128 @@
+"""Secrets out of everything that is shown: the settings a server reports, start-up
+lines, log records and error messages. One rule says which names hold a secret
+(`secret_name`), one function masks the secrets inside any text (`redact`):
+
+- a URL's password, with or without a user (`redis://user:pw@host`,
+  `redis://:pw@host`) and a user alone, which is often a token (`https://TOKEN@host`);
+- the value of every key=value pair whose key names a secret, in a query string or a
+  DSN (`?password=`, `&pw=`, `;AuthToken=`), in any case;
+- a quoted key naming a secret with its quoted value (`"password": "x"`,
+  `password='x'`), as JSON text and Python reprs print them.
+
+`redact_value` applies the same through JSON-like values and hides whole the value of
+every key that names a secret. `redact_logs` puts `redact` on every log handler, so a
+message or a traceback that echoes a URL is masked wherever it is printed.
+
+Only the standard library: every layer may import this."""
+from __future__ import annotations
+
+import logging
+import re
+
+MASK = "***"          # what replaces a secret inside a text
+HIDDEN = "<hidden>"   # what replaces a whole value
+
+#: a name holds a secret when one of its words is one of these...
+_SECRET_WORDS = frozenset(("pw", "pwd", "pass", "passphrase", "token", "key", "auth", "sig", "signature",
+                           "cookie", "psk", "sas"))
+#: ...or when it contains one of these anywhere
+_SECRET_PARTS = ("passw", "secret", "credential", "apikey", "authoriz", "private")
+
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+_NOT_ALNUM = re.compile(r"[^a-z0-9]+")
+#: scheme://userinfo@ : the userinfo runs to the last @ before the path, query or fragment
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)([^\s/?#]*)@")
+#: key=value, unquoted (a query string, a DSN); the value ends before a quote, escaped or not
+_PAIR = re.compile(r"""([A-Za-z0-9_.\-]+)=((?:[^&;#\s,'"\\)\]}]|\\(?!['"]))+)""")
+#: 'key': 'value', "key"="value", key='value' (JSON text, Python reprs)
+_QUOTED = re.compile(r"""(['"]?)([A-Za-z0-9_.\-]+)\1(\s*[:=]\s*)(['"])((?:\\.|(?!\4).)*)\4""")
+
+
+def secret_name(name) -> bool:
+    """Whether a setting, a query key or a JSON key of this name holds a secret."""
+    text = _CAMEL.sub("_", str(name)).lower()
+    if any(p in text for p in _SECRET_PARTS):
+        return True
+    return not _SECRET_WORDS.isdisjoint(_NOT_ALNUM.split(text))
+
+
+def _userinfo(m: re.Match) -> str:
+    user, colon, _ = m.group(2).partition(":")
+    return f"{m.group(1)}{user}:{MASK}@" if colon else f"{m.group(1)}{MASK}@"
+
+
+def _pair(m: re.Match) -> str:
+    return f"{m.group(1)}={MASK}" if secret_name(m.group(1)) else m.group(0)
+
+
+def _quoted(m: re.Match) -> str:
+    if not secret_name(m.group(2)):
+        return m.group(0)
+    q = m.group(4)
+    return f"{m.group(1)}{m.group(2)}{m.group(1)}{m.group(3)}{q}{MASK}{q}"
+
+
+def redact(text) -> str:
+    """`text` with every secret in it masked (see the module docstring)."""
+    text = str(text)
+    if "@" in text:
+        text = _USERINFO.sub(_userinfo, text)
+    if "=" in text:
+        text = _PAIR.sub(_pair, text)
+    if "'" in text or '"' in text:
+        text = _QUOTED.sub(_quoted, text)
+    return text
+
+
+def redact_value(name, value):
+    """A JSON-like value as it may be shown under `name`: hidden whole where the name
+    holds a secret (a text or a container: a number or a flag is a setting, not a
+    secret, whatever its name), else its texts masked, through dicts and lists."""
+    if secret_name(name) and value not in (None, "") and isinstance(value, (str, bytes, dict, list, tuple)):
+        return HIDDEN
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, dict):
+        return {k: redact_value(k, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact_value(name, v) for v in value]
+    return value
+
+
+class RedactingFilter(logging.Filter):
+    """Masks a record's message, its arguments and its traceback before any handler
+    prints them."""
+
+    _formatter = logging.Formatter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            msg = record.getMessage()
+        except Exception:  # noqa: BLE001 - a bad format string is the handler's to report
+            return True
+        clean = redact(msg)
+        if clean != msg:
+            record.msg, record.args = clean, ()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self._formatter.formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = redact(record.stack_info)
+        return True
+
+
+def redact_logs() -> None:
+    """Put the masking filter on every log handler there is now (the root's, every
+    logger's own, and the last-resort one), once each."""
+    handlers = list(logging.getLogger().handlers)
+    for logger in list(logging.Logger.manager.loggerDict.values()):
+        handlers.extend(getattr(logger, "handlers", ()))
+    if logging.lastResort is not None:
+        handlers.append(logging.lastResort)
+    for h in handlers:
+        if not any(isinstance(f, RedactingFilter) for f in h.filters):
+            h.addFilter(RedactingFilter())
+
+
+__all__ = ["HIDDEN", "MASK", "RedactingFilter", "redact", "redact_logs", "redact_value", "secret_name"]
