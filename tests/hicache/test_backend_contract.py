@@ -228,6 +228,34 @@ def test_threads_share_one_backend(backend):
     assert st["hits"] - before["hits"] == 4 * 5 * 50
 
 
+def test_set_if_absent_keeps_the_first_value(store, backend):
+    """What a namespace's witness is written with: the first value stays, and of writers
+    racing for one key exactly one wins (where the backend can tell, only its call
+    answers True); every writer reads the winner back."""
+    k = key(9, ns="sia")
+    assert backend.set_if_absent(k, b"first") is True
+    assert backend.set_if_absent(k, b"second") is (not store.tells_set_if_absent)
+    assert backend.batch_get([k]) == [b"first"]
+    k2 = key(10, ns="sia")
+    barrier, won = threading.Barrier(4), [None] * 4
+
+    def race(i):
+        barrier.wait(30)
+        won[i] = backend.set_if_absent(k2, f"writer {i}".encode())
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    (got,) = backend.batch_get([k2])
+    assert got in {f"writer {i}".encode() for i in range(4)}
+    if store.tells_set_if_absent:
+        assert won.count(True) == 1 and won[int(got.split()[1])] is True
+    with pytest.raises(ValueError):
+        backend.set_if_absent("nope", b"x")
+
+
 # --------------------------------------------------------------------------- counters, close
 def test_counters_then_close(store, backend):
     b = store.make()   # a new backend: its counters start at zero

@@ -162,7 +162,7 @@ def test_a_damaged_object_is_replaced_by_the_recomputed_data(tmp_path, name):
     fresh engine then reuses the whole prefix from L3 again."""
     a = engine(name, 4, FileBackend(str(tmp_path)))
     _, nxt = conversation(a, random.Random(16), turns=1)
-    files = sorted(f for f in os.listdir(tmp_path) if not f.startswith("."))
+    files = sorted(f for f in os.listdir(tmp_path) if not f.startswith(".") and not f.endswith(".witness"))
     victim = tmp_path / files[len(files) // 2]
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0x01
@@ -203,8 +203,9 @@ def test_a_read_only_store_counts_every_failure_and_logs_a_few_lines(tmp_path, m
     def read_only(tmp, value):
         raise OSError(30, "Read-only file system")
 
-    monkeypatch.setattr(store, "_write", read_only)
     eng = engine("tiny-hybrid", 1, store)
+    assert eng.storage.witness.allows()  # the namespace's witness is stored before the disk turns read-only
+    monkeypatch.setattr(store, "_write", read_only)
     with caplog.at_level("WARNING", logger="uniradix"):
         conversation(eng, random.Random(20), turns=2)
         eng.close()
@@ -267,7 +268,9 @@ def test_two_engines_over_one_mooncake_store(mooncake_shared, mooncake_srv, name
 
 
 class Gated(FileBackend):
-    """A store whose reads wait until the test opens the gate: a slow backend with no clock."""
+    """A store whose page reads wait until the test opens the gate: a slow backend with
+    no clock (the namespace's witness, read before the first read or write, is not held:
+    writes would otherwise wait behind the gate too)."""
 
     def __init__(self, path):
         super().__init__(path)
@@ -275,7 +278,8 @@ class Gated(FileBackend):
         self.gate = threading.Event()
 
     def batch_get(self, keys):
-        self.gate.wait(30)
+        if not all(k.endswith(".witness") for k in keys):
+            self.gate.wait(30)
         return super().batch_get(keys)
 
 
@@ -433,31 +437,39 @@ def test_conversations_under_pressure_over_l3_stay_exact(tmp_path, name, page):
 
 
 class Recording(FileBackend):
-    """A file store that records each call and the thread it ran on."""
+    """A file store that records each call and the thread it ran on (the calls about
+    the namespace's witness apart: one read, and a write on first use, per engine)."""
 
     def __init__(self, path):
         super().__init__(path)
         self.calls = []
+        self.witness_calls = []
 
-    def _log(self, name, n):
+    def _log(self, name, keys):
         import threading
-        self.calls.append((name, n, threading.current_thread().name))
+        about_witness = bool(keys) and all(k.endswith(".witness") for k in keys)
+        (self.witness_calls if about_witness else self.calls).append(
+            (name, len(keys), threading.current_thread().name))
 
     def batch_exists(self, keys):
-        self._log("batch_exists", len(keys))
+        self._log("batch_exists", keys)
         return super().batch_exists(keys)
 
     def batch_contains(self, keys):
-        self._log("batch_contains", len(keys))
+        self._log("batch_contains", keys)
         return super().batch_contains(keys)
 
     def batch_get(self, keys):
-        self._log("batch_get", len(keys))
+        self._log("batch_get", keys)
         return super().batch_get(keys)
 
     def batch_set(self, keys, values):
-        self._log("batch_set", len(keys))
+        self._log("batch_set", keys)
         return super().batch_set(keys, values)
+
+    def set_if_absent(self, key, value):
+        self._log("set_if_absent", [key])
+        return super().set_if_absent(key, value)
 
 
 @pytest.mark.parametrize("name", ["tiny-hybrid", "full-only"])
@@ -477,8 +489,10 @@ def test_store_io_is_batched_and_off_the_scheduler_thread(tmp_path, name):
     assert writes[0][1] >= 2000 and writes[1][1] == writes[0][1]
     main = threading.main_thread().name
     assert all(t != main for _, _, t in store.calls), store.calls
+    assert [c[0] for c in store.witness_calls] == ["batch_get", "set_if_absent", "batch_get"]
     # the next turn, on a fresh engine: reads are batched and off the scheduler's thread too
     store.calls.clear()
+    store.witness_calls.clear()
     b = Engine(name, page_size=1, max_total_tokens=4096, storage=store, prefetch_threshold=1,
                hicache_storage_prefetch_policy="wait_complete")
     r2 = greedy(r.input_ids + r.output_ids + [1, 2, 3], 2)
@@ -487,9 +501,15 @@ def test_store_io_is_batched_and_off_the_scheduler_thread(tmp_path, name):
     assert r2.metrics.storage_tokens > 0
     assert all(t != main for _, _, t in store.calls), store.calls
     assert sum(1 for c in store.calls if c[0] == "batch_get") == 1
-    # a second write of the same path asks nothing of the store: its keys are known
+    assert [c[0] for c in store.witness_calls] == ["batch_get"]  # b found a's witness, once
+    assert all(t != main for _, _, t in store.witness_calls)
+    # a second write of the same path reads nothing from the pools: its keys are believed
+    # stored, and only re-checked, all in one membership call
     store.calls.clear()
-    assert b.storage.store.save_cached(r2.input_ids) == 0 and store.calls == []
+    job = b.storage.store.prepare_cached(r2.input_ids + r2.output_ids[:-1])  # what b cached
+    assert job.keys == [] and len(job.believed) >= 2000
+    assert b.storage.store.commit(job) == 0
+    assert [c[:2] for c in store.calls] == [("batch_contains", len(job.believed))], store.calls
     eng.close()
     b.close()
 

@@ -9,6 +9,7 @@ import logging
 import os
 import pathlib
 import subprocess
+import threading
 
 import pytest
 from backend_contract import DictBackend, keys, read_only_later
@@ -147,8 +148,9 @@ def test_failures_logged_again_after_the_interval(fb, monkeypatch, caplog):
 
 
 def test_contains_stats_each_key_and_never_raises_for_one(fb, caplog):
-    # A key whose stat fails (here a symlink loop: ELOOP) is absent, counted, warned
-    # about once; the other keys are answered.
+    # A key whose entry is not a regular file (here a symlink loop, which a stat would
+    # fail on: ELOOP) is absent, counted as unreadable, warned about once, and removed;
+    # the other keys are answered.
     fb.batch_set([K[0], K[2]], [b"a", b"c"])
     for k in K[3:6]:
         os.symlink(k, os.path.join(fb.path, k))
@@ -156,10 +158,49 @@ def test_contains_stats_each_key_and_never_raises_for_one(fb, caplog):
     with caplog.at_level(logging.WARNING, logger="uniradix.hicache"):
         assert fb.batch_contains(K[:6]) == [True, False, True, False, False, False]
     st = fb.stats()
-    assert st["errors"] == 3 and st["exists_calls"] == 1
-    assert len(caplog.records) == 1 and "symbolic links" in caplog.records[0].getMessage()
+    assert st["errors"] == st["unreadable"] == 3 and st["exists_calls"] == 1
+    assert len(caplog.records) == 1 and "symbolic link" in caplog.records[0].getMessage()
+    assert not any(os.path.lexists(os.path.join(fb.path, k)) for k in K[3:6])
     assert fb.batch_exists(K[2:]) == 1
-    assert fb.batch_get(K[3:4]) == [None] and fb.stats()["errors"] == 5
+    assert fb.batch_get(K[3:4]) == [None] and fb.stats()["errors"] == 3   # gone: a plain miss
+
+
+def test_only_regular_files_are_read(fb, monkeypatch):
+    """A FIFO (a plain open() would wait for a writer for ever), a directory, a socket
+    and a link to a valid object under keys' names: each read is a miss at once, counted
+    as unreadable, and the entry removed; a write, plain or set-if-absent, stores the key
+    even over a directory (a rename cannot replace one)."""
+    import socket
+    target = os.path.join(os.path.dirname(fb.path), "outside")
+    with open(target, "wb") as f:
+        f.write(b"a valid-looking object")
+    p = [os.path.join(fb.path, k) for k in K[:6]]
+    os.mkfifo(p[0])
+    os.mkdir(p[1])
+    with open(os.path.join(p[1], "x"), "wb") as f:
+        f.write(b"x")
+    monkeypatch.chdir(fb.path)   # a socket's path is limited to ~100 bytes
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(K[2])
+    os.symlink(target, p[3])
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fb.batch_get(K[:4])), daemon=True)
+    try:
+        reader.start()
+        reader.join(30)   # a guard: a read that waits on the FIFO fails here, not hangs the run
+        assert got == [[None] * 4]
+    finally:
+        sock.close()
+        if os.path.lexists(p[0]):   # let a reader stuck opening the FIFO go
+            os.close(os.open(p[0], os.O_WRONLY | os.O_NONBLOCK))
+    st = fb.stats()
+    assert st["unreadable"] == st["errors"] == 4 and st["hits"] == 0
+    assert not any(os.path.lexists(x) for x in p[:4]) and os.path.exists(target)
+    os.mkdir(p[4])
+    os.mkdir(p[5])
+    assert fb.batch_set([K[4]], [b"v4"]) == [True] and fb.set_if_absent(K[5], b"v5") is True
+    assert fb.batch_get(K[4:6]) == [b"v4", b"v5"] and fb.stats()["unreadable"] == 6
+    assert fb.set_if_absent(K[5], b"again") is False and fb.batch_get(K[5:6]) == [b"v5"]
 
 
 def test_values_are_checked_before_any_write(fb):

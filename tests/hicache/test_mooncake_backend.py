@@ -161,7 +161,8 @@ def test_settings_defaults_and_sizes():
     s = resolve_settings({"master": "127.0.0.1:5"}, environ={})
     assert s == {"master": "127.0.0.1:5", "te_meta_data_server": "P2PHANDSHAKE", "protocol": "tcp",
                  "device": "", "global_segment_size": 64 << 20, "local_buffer_size": 64 << 20,
-                 "local_hostname": "127.0.0.1", "prefix": "uniradix:", "connect_timeout": 2.0}
+                 "local_hostname": "127.0.0.1", "prefix": "uniradix:", "connect_timeout": 2.0,
+                 "op_timeout": 10.0}
     for given, want in (("1048576", 1 << 20), ("64MB", 64 << 20), ("4 GiB", 4 << 30),
                         ("2gb", 2 << 30), ("512k", 512 << 10), (0, 0), ("1.5MB", 3 << 19)):
         assert resolve_settings({"master": "h:1", "global_segment_size": given},
@@ -201,6 +202,7 @@ def test_settings_come_from_env_and_config_wins():
     ({"master": "h:1", "prefix": "a b"}, "prefix"),
     ({"master": "h:1", "prefix": None}, "prefix"),
     ({"master": "h:1", "connect_timeout": 0}, "connect_timeout"),
+    ({"master": "h:1", "op_timeout": float("inf")}, "op_timeout"),
     ({"master": "h:1", "protocol": ""}, "protocol"),
     ({"master": "h:1", "MOONCAKE_MASTER": "h:2"}, "given twice"),
 ])
@@ -288,6 +290,44 @@ def test_setup_refused_is_unavailable(master, monkeypatch):
         b.batch_exists(keys(1))
     assert Refusing.closed == 2 and b.stats()["errors"] == 2
     b.close()
+
+
+def test_a_call_that_hangs_is_bounded_by_op_timeout(master, monkeypatch):
+    """The client has no timeout of its own: a call that never returns (a master that
+    accepts and never answers) raises StorageUnavailable after op_timeout; with
+    MAX_HUNG calls left hanging the next ones fail at once; close() does not close a
+    client a call is still inside, and does not wait for it past op_timeout."""
+    require_mooncake()
+    import threading
+    gate = threading.Event()
+
+    class Stuck:
+        closed = 0
+
+        def setup(self, *args):
+            return 0
+
+        def batch_is_exist(self, names):
+            gate.wait()
+            return [0] * len(names)
+
+        def close(self):
+            Stuck.closed += 1
+            return 0
+
+    monkeypatch.setattr(mc, "_store_class", lambda: Stuck)
+    b = MooncakeBackend({"master": master.address, "op_timeout": 0.2})
+    try:
+        for _ in range(mc.MAX_HUNG):
+            with pytest.raises(StorageUnavailable, match="did not answer batch_is_exist within op_timeout"):
+                b.batch_exists(keys(1))
+        with pytest.raises(StorageUnavailable, match=f"has {mc.MAX_HUNG} calls that did not return"):
+            b.batch_contains(keys(2))
+        assert b.stats()["errors"] == mc.MAX_HUNG + 1
+        b.close()
+        assert Stuck.closed == 0   # calls are still inside it
+    finally:
+        gate.set()
 
 
 def test_master_killed_mid_run_then_restarted():

@@ -157,25 +157,28 @@ def test_refused_sets_are_counted_and_warned_about_once(caplog):
         assert st["sets"] == st["set_failures"] == 200 and st["errors"] == 0
 
 
-def test_a_foreign_value_is_a_counted_miss(redis_srv, caplog):
-    # Someone else's list under our name: GET answers WRONGTYPE. A miss, an error in
-    # stats(), one warning; EXISTS still sees the name.
+def test_a_foreign_value_is_a_counted_miss_and_removed(redis_srv, caplog):
+    # Someone else's list under our name: GET answers WRONGTYPE. A miss, an error and an
+    # unreadable entry in stats(), one warning; the entry is deleted (it would otherwise
+    # look present to EXISTS forever, and the key would never be stored), so the next
+    # write stores the key.
     import redis
     with RedisBackend(redis_srv.url, prefix="foreign:") as b, \
             redis.Redis.from_url(redis_srv.url) as raw:
         k = keys(3, ns="foreign")
         raw.rpush("foreign:" + k[1], b"x")
         b.batch_set([k[0]], [b"mine"])
+        assert b.batch_contains(k) == [True, True, False]
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="uniradix.hicache"):
             assert b.batch_get(k) == [b"mine", None, None]
             assert b.batch_get(k[1:2]) == [None]
         st = b.stats()
-        assert st["errors"] == st["bad_replies"] == 2 and st["hits"] == 1
+        assert st["errors"] == st["bad_replies"] == st["unreadable"] == 1 and st["hits"] == 1
         assert len(caplog.records) == 1 and "WRONGTYPE" in caplog.records[0].getMessage()
-        assert b.batch_contains(k) == [True, True, False]
+        assert b.batch_contains(k) == [True, False, False] and raw.exists("foreign:" + k[1]) == 0
+        assert b.batch_set(k[1:2], [b"again"]) == [True] and b.batch_get(k[1:2]) == [b"again"]
         b.clear()
-        raw.delete("foreign:" + k[1])
 
 
 def test_unresponsive_server_times_out():

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from uniradix.model import file_fingerprint, init_weights, load_weights, preset, save_weights, weights_fingerprint
+from uniradix.model import (file_fingerprint, init_weights, load_weights, preset, save_weights, weights_fingerprint,
+                            weights_witness)
 from uniradix.model import fingerprint as fp
 
 CFG = preset("tiny-hybrid")
@@ -82,6 +83,54 @@ def test_a_checkpoint_loads_to_the_weights_it_was_saved_from(weights, tmp_path):
     path = tmp_path / "w.safetensors"
     save_weights(weights, path, CFG)
     assert weights_fingerprint(load_weights(CFG, path)) == weights_fingerprint(weights)
+
+
+# ---------------------------------------------------------------- the witness
+def test_the_witness_names_the_values_not_the_layout(weights, tmp_path):
+    w = weights_witness(weights)
+    assert w == weights_witness(init_weights(CFG))
+    path = tmp_path / "w.safetensors"
+    save_weights(weights, path, CFG)
+    assert weights_witness(load_weights(CFG, path)) == w             # from a file
+    strided = {**weights, "head": weights["head"].t().contiguous().t()}
+    assert not strided["head"].is_contiguous() and weights_witness(strided) == w
+    assert weights_witness(init_weights(CFG.with_(seed=1))) != w      # other weights
+    assert weights_witness({**weights, "head": weights["head"].to(torch.bfloat16)}) != w
+    assert weights_witness({**weights, "head": weights["head"].reshape(-1)}) != w
+
+
+def test_the_witness_reads_fixed_elements_of_every_tensor(weights):
+    """Any tensor changed where the witness looks (its first and last elements among
+    them) changes it; a dict of one tensor per name (a checkpoint's own) works alike."""
+    base = weights_witness(weights)
+    for layer in range(len(weights["layers"])):
+        for name in ("wq", "w_down", "conv", "norm2"):
+            if name not in weights["layers"][layer]:
+                continue
+            for where in (0, -1):
+                w = init_weights(CFG)
+                w["layers"][layer][name].view(-1)[where] += 1e-3
+                assert weights_witness(w) != base, (layer, name, where)
+    flat = {"model.embed_tokens.weight": torch.ones(4, 3), "lm_head.weight": torch.zeros(3, 4)}
+    assert weights_witness(flat) == weights_witness(dict(reversed(flat.items())))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_weights_witness_as_their_cpu_copy(weights):
+    bf16 = {**weights, "head": weights["head"].to(torch.bfloat16)}
+    on_device = {**bf16, "layers": [{k: t.cuda() for k, t in lw.items()} for lw in bf16["layers"]],
+                 "embed": bf16["embed"].cuda()}
+    assert weights_witness(on_device) == weights_witness(bf16)
+
+
+def test_the_witness_does_not_read_the_weights():
+    """A tensor of 2**40 elements that is one number seen through a stride of 0: the
+    witness looks at a few of its elements and never copies it (a full read or a
+    contiguous copy would need terabytes)."""
+    huge = torch.ones(1).expand(1 << 40)
+    assert len(weights_witness({"huge": huge, "small": torch.arange(10.0)})) == 64
+    with pytest.raises(TypeError, match="expected a tensor"):
+        weights_witness({"embed": [1.0, 2.0]})
 
 
 # ---------------------------------------------------------------- files

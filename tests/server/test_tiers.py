@@ -2,6 +2,8 @@
 repeated prompt comes back from L2 or L3, and both meta_info's split and /metrics say
 which tier served it."""
 import json
+import threading
+import time
 
 from server_proc import ServerProc
 
@@ -32,3 +34,96 @@ def test_storage_and_host_tiers_report_their_tokens(tmp_path):
         assert s.audit()["settled"]
     finally:
         assert s.stop() == 0
+
+
+WRITE_BACK = ("--enable-hierarchical-cache", "--hicache-write-policy", "write_back",
+              "--hicache-storage-backend", "file", "--page-size", "4", "--max-total-tokens", "2048")
+
+
+def write_back_server(path) -> ServerProc:
+    return ServerProc(*WRITE_BACK, "--hicache-storage-backend-extra-config",
+                      json.dumps({"path": str(path), "prefetch_threshold": 1}))
+
+
+def greedy(ids, n):
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "temperature": 0}}
+
+
+def test_write_back_reaches_the_store_on_flush(tmp_path):
+    """write_back writes to L3 only what the host evicts (nothing here: the pools are
+    large); /flush_cache writes down what the device and host tiers alone hold before it
+    drops them, so the same prompt then comes back from the store."""
+    ids = [3 + (i * 7) % 250 for i in range(120)]
+    s = write_back_server(tmp_path)
+    try:
+        code, first, _ = s.post("/generate", greedy(ids, 4))
+        assert code == 200, first
+        assert s.wait_idle()["uniradix_storage_written_bytes_total"] == 0  # nothing evicted: nothing written
+        assert s.post("/flush_cache")[0] == 200
+        code, again, _ = s.post("/generate", greedy(ids, 4))
+        assert code == 200 and again["output_ids"] == first["output_ids"], again
+        assert again["meta_info"]["cached_tokens_details"]["storage"] == 116, again["meta_info"]
+    finally:
+        assert s.stop() == 0, "".join(s.lines[-30:])
+
+
+def test_write_back_reaches_the_store_on_sigterm(tmp_path):
+    """A graceful shutdown writes down what only the device and host tiers hold: a new
+    server on the store resumes the conversation where the first one stopped."""
+    ids = [3 + (i * 5) % 250 for i in range(100)]
+    s = write_back_server(tmp_path)
+    try:
+        code, first, _ = s.post("/generate", greedy(ids, 4))
+        assert code == 200, first
+        turn2 = ids + first["output_ids"] + [5, 6, 7, 8, 9]
+        code, second, _ = s.post("/generate", greedy(turn2, 4))
+        assert code == 200, second
+        assert s.wait_idle()["uniradix_storage_written_bytes_total"] == 0
+    finally:
+        assert s.stop() == 0, "".join(s.lines[-30:])
+    s = write_back_server(tmp_path)
+    try:
+        code, third, _ = s.post("/generate", greedy(turn2 + second["output_ids"] + [10, 11, 12], 2))
+        assert code == 200, third
+        done = len(turn2) + len(second["output_ids"]) - 1  # what the first server computed
+        assert third["meta_info"]["cached_tokens_details"]["storage"] == done // 4 * 4, third["meta_info"]
+    finally:
+        assert s.stop() == 0, "".join(s.lines[-30:])
+
+
+def test_sigterm_keeps_time_for_the_write_down_when_requests_run_to_the_limit(tmp_path):
+    """A request still running at SIGTERM is aborted a quarter of --graceful-timeout
+    before its end (with an L3), so the write-down of what the tiers hold still happens
+    and the whole shutdown stays within the timeout."""
+    ids = [3 + (i * 13) % 250 for i in range(100)]
+    extra = json.dumps({"path": str(tmp_path), "prefetch_threshold": 1})
+    flags = (*WRITE_BACK[:-1], "20000", "--hicache-storage-backend-extra-config", extra)
+    s = ServerProc(*flags, "--graceful-timeout", "4")
+    try:
+        code, first, _ = s.post("/generate", greedy(ids, 4))
+        assert code == 200, first
+        assert s.wait_idle()["uniradix_storage_written_bytes_total"] == 0
+        long = {"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 15000, "temperature": 0,
+                                                             "ignore_eos": True}}
+        out = []
+        t = threading.Thread(target=lambda: out.append(s.post("/generate", long)))
+        t.start()
+        while s.metrics()["uniradix_running_requests"] < 1:
+            time.sleep(0.02)
+    finally:
+        t0 = time.monotonic()
+        assert s.stop() == 0, "".join(s.lines[-30:])
+        took = time.monotonic() - t0
+    t.join(30)
+    assert out and out[0][0] == 503, out  # it ran to the limit and was aborted
+    assert took < 4 + 5, took  # the graceful timeout, and the process's own exit
+    cut = [line for line in s.lines if "not written" in line or "abandoned" in line]
+    assert not cut, cut  # the write-down had its time, and every write reached the store
+    s = ServerProc(*flags)
+    try:
+        code, again, _ = s.post("/generate", greedy(ids + first["output_ids"] + [10, 11], 2))
+        assert code == 200, again
+        done = len(ids) + len(first["output_ids"]) - 1
+        assert again["meta_info"]["cached_tokens_details"]["storage"] == done // 4 * 4, again["meta_info"]
+    finally:
+        assert s.stop() == 0, "".join(s.lines[-30:])

@@ -67,6 +67,7 @@ class UnifiedRadixCache(Running, Finishing):
         self.ledger = Ledger(tree, self.pools, self.host)
         if self.host is not None:
             self.host.ledger = self.ledger
+        self.lower = None  # the storage tier (set by it): takes what a flush is about to drop
 
     @property
     def host_pools(self) -> list | None:
@@ -220,11 +221,15 @@ class UnifiedRadixCache(Running, Finishing):
         return self.tree.close_session(session_id)
 
     def flush(self) -> bool:
-        """Drop everything cached. Refused (False) while requests hold locks."""
+        """Drop everything cached, after the storage tier below (`lower`) wrote down what
+        it lacks (hicache.l3.StorageTier.write_down: bounded in time). Refused (False)
+        while requests hold locks."""
         tree = self.tree
         if any(tree.locked) or any(tree.host_locked):
             return False
         self.sync_loads()
+        if self.lower is not None:
+            self.lower.write_down()
         s = tree.structural.index  # evicting all of it takes every node with it
         while True:  # host-only parents can go only once their children have gone, and back
             n = tree.num_nodes

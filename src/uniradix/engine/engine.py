@@ -47,6 +47,7 @@ class Engine(Admission, Batching):
         sched = config.scheduler
         self.device = _check_device(sched.device)
         self.model = load_model(model, weights).to(self.device)
+        self.context_length = _context_length(sched, self.model.context_length)
         self.cfg, self.weights = self.model.config, self.model.weights
         self.use_cache = not config.cache.disable_radix_cache
         host = config.host if self.use_cache else replace(config.host, enable_hierarchical_cache=False)
@@ -70,7 +71,7 @@ class Engine(Admission, Batching):
             weights_fp = self._weights_fingerprint() if config.storage.model_fingerprint is None else ""
             self.storage = StorageTier(self.cache, storage, config.storage, self.model.config, weights=weights_fp,
                                        write_policy=h.hicache_write_policy if self.hierarchical else "write_through",
-                                       write_min_hits=h.write_min_hits)
+                                       write_min_hits=h.write_min_hits, witness=self._weights_witness())
 
     def _weights_fingerprint(self) -> str:
         """What the L3 namespace knows the weights by: a file's content digest (cached on
@@ -80,6 +81,13 @@ class Engine(Admission, Batching):
         if self.model.files:
             return file_fingerprint(list(self.model.files))
         return weights_fingerprint(self.weights)
+
+    def _weights_witness(self) -> str:
+        """What the L3 namespace checks the weights by, whatever names them (a fleet's
+        model_fingerprint says nothing of the weights): a digest of fixed elements of the
+        loaded tensors, milliseconds on any model (see hicache.witness)."""
+        from ..model.fingerprint import weights_witness
+        return weights_witness(self.weights)
 
     @property
     def prefetching(self) -> list[RequestState]:
@@ -96,8 +104,9 @@ class Engine(Admission, Batching):
 
     # ------------------------------------------------------------------ requests in
     def submit(self, req: Request) -> Request:
-        """Queue a request. Malformed input raises ValueError; a request the pools could
-        never hold finishes at once with status "error" and says why."""
+        """Queue a request. Malformed input raises ValueError; a request longer than the
+        context or that the pools could never hold finishes at once with status "error"
+        and says why."""
         why = self.prepare(req)
         if why:
             self._fail(req, why)
@@ -105,9 +114,10 @@ class Engine(Admission, Batching):
         return self.enqueue(req)
 
     def prepare(self, req: Request) -> str | None:
-        """Check a new request and tokenize its text; returns why it could never fit, or
-        None. Reads nothing that a step changes, so a server may call it on its own
-        thread before handing the request to the scheduler's (`enqueue`)."""
+        """Check a new request and tokenize its text; returns why it could never fit (past
+        the context length, or past the pools), or None; a default count is shortened to
+        the context here. Reads nothing that a step changes, so a server may call it on
+        its own thread before handing the request to the scheduler's (`enqueue`)."""
         if req.status != "new":
             raise ValueError(f"request {req.rid} was already submitted")
         ids = req.check(self.model.vocab_size)
@@ -117,7 +127,7 @@ class Engine(Admission, Batching):
             raise ValueError(f"request {req.rid} has an empty prompt")
         req.input_ids = ids
         req.metrics.prompt_tokens = len(ids)
-        return self._never_fits(req)
+        return self._over_context(req) or self._never_fits(req)
 
     def enqueue(self, req: Request) -> Request:
         """Queue a prepared request (the scheduler's thread)."""
@@ -128,6 +138,26 @@ class Engine(Admission, Batching):
         state.rng = None if seed is None else torch.Generator().manual_seed(seed)
         self.waiting.append(state)
         return req
+
+    def _over_context(self, req: Request) -> str | None:
+        """Why the request spans more than the context (prompt L plus n new tokens must
+        have L + n <= context), or None. A default count the client did not choose
+        (`fit_context`) is shortened to the room left instead; only a prompt that leaves
+        no room for one token is refused then."""
+        C = self.context_length
+        L, n = len(req.input_ids), req.sampling.max_new_tokens
+        if C is None or L + n <= C:
+            return None
+        where = ("the model's context length" if self.config.scheduler.context_length is None
+                 else "the context length (--context-length)")
+        if L >= C:
+            return (f"request {req.rid} is too long: its {L} prompt tokens leave no room for a new token "
+                    f"in {where} of {C} tokens")
+        if req.sampling.fit_context:
+            req.sampling = replace(req.sampling, max_new_tokens=C - L)
+            return None
+        return (f"request {req.rid} is too long: {L} prompt tokens + {n} max_new_tokens = {L + n} tokens, "
+                f"more than {where} of {C} tokens")
 
     def _never_fits(self, req: Request) -> str | None:
         P = self.page_size
@@ -238,18 +268,28 @@ class Engine(Admission, Batching):
     # ------------------------------------------------------------------ after the forward
 
     # ------------------------------------------------------------------ admin
-    def flush_writes(self) -> None:
+    def flush_writes(self, timeout: float | None = None) -> bool:
         """Wait until every L3 write handed to the I/O thread has reached the store (or
-        failed, counted)."""
+        failed, counted), for at most `timeout` seconds (default: the storage tier's
+        io_timeout). True when none is left pending."""
         if self.storage is not None:
-            self.storage.poll_writes(wait_all=True)
+            return self.storage.poll_writes(wait_all=True, timeout=timeout)
+        return True
 
-    def close(self) -> None:
-        """Stop the I/O threads and wait for host loads (the store itself belongs to the
-        caller)."""
+    def close(self, timeout: float | None = None) -> None:
+        """The graceful end: write down to L3 what the store lacks of the cache (as a
+        flush does, whatever the write policy: write_back data held only by the device
+        and host tiers would be lost), then stop the I/O threads (the write-down and the
+        pending writes get at most `timeout` seconds together, default the storage tier's
+        io_timeout) and wait for host loads (the store itself belongs to the caller)."""
         self.cache.sync_loads()
         if self.storage is not None:
-            self.storage.close()
+            t = self.storage.io_timeout if timeout is None else max(timeout, 0.0)
+            end = time.monotonic() + t
+            if self.use_cache:
+                self.storage.write_down(t)
+            self.storage.close(max(0.0, end - time.monotonic()))
+            self.cache.lower = None  # a later flush has no store to write to
 
     def close_session(self, session_id) -> bool:
         return self.cache.close_session(session_id)
@@ -265,6 +305,23 @@ class Engine(Admission, Batching):
         from ..hicache.l3 import StorageTier
         c.update(self.storage.stats() if self.storage is not None else StorageTier.IDLE)
         return c
+
+
+def _context_length(sched, own: int | None) -> int | None:
+    """--context-length, else the model's own (None: unbounded). Longer than the
+    model's own only with --allow-longer-context: positions past it were never trained,
+    so serving them is the operator's explicit choice (SGLang asks for an environment
+    variable; here it is a flag)."""
+    asked = sched.context_length
+    if asked is None:
+        return own
+    if own is not None and asked > own:
+        if not sched.allow_longer_context:
+            raise ValueError(f"--context-length {asked} is longer than the model's own context of {own} tokens; "
+                             f"add --allow-longer-context to serve positions it was not trained on")
+        log.warning("--context-length %d is longer than the model's own context of %d tokens "
+                    "(--allow-longer-context): outputs past %d tokens may degrade", asked, own, own)
+    return asked
 
 
 def _check_device(device) -> torch.device:

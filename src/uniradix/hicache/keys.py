@@ -84,6 +84,17 @@ def component_key(page_key: str, suffix: str) -> str:
     return check_key(key)
 
 
+def witness_key(ns: StorageNamespace, secret: bytes | None = None) -> str:
+    """Where a namespace keeps the witness of its weights (hicache.witness): derived from
+    the namespace without its salt (one witness for every tenant of a model) and, when
+    objects are MAC'd, from a digest of the secret, so that engines with different
+    secrets (who cannot read each other's objects anyway) never contend for one key."""
+    h = hashlib.sha256(b"uniradix-witness-key-v1\0" + replace(ns, salt=None).seed())
+    if secret:
+        h.update(hashlib.blake2b(secret, digest_size=16, person=b"urx-l3-witness").digest())
+    return check_key(f"{h.hexdigest()}.witness")
+
+
 _LITTLE = array("i", [1]).tobytes()[0] == 1
 
 

@@ -101,7 +101,8 @@ class HostTier:
     def copy_down(self, ev) -> array | None:
         """A device eviction plan's COPY_DOWN slot: copy it to new host handles (evicting
         host data to make room) when it must survive (FULL over host-only children) or
-        the policy is write_back; None when it goes without a copy."""
+        the policy is write_back; None when it goes without a copy (under write_back,
+        what the host could not take goes to the tier below first)."""
         if not ev.must_copy and self.write_policy != "write_back":
             return None
         nd, ci, v = ev.node, ev.ci, ev.value
@@ -111,6 +112,8 @@ class HostTier:
         if got is None or not nd.attached or nd.value[ci] is not v:
             if got is not None:
                 self.ledger.free_host(ci, got[ci])
+            elif self.lower is not None and nd.attached and nd.value[ci] is v:
+                self.lower.write_back_node(nd, ci)
             self.counters["skipped_writes"] += len(v)
             return None
         copy_handles(self.device[ci], v, self.pools[ci], got[ci])
@@ -119,9 +122,9 @@ class HostTier:
 
     def write_down(self, ev) -> None:
         """A host eviction plan's LOSE slot: under write_back, what the host alone holds
-        goes to the tier below first."""
+        goes to the tier below first, with what a reader needs along with it."""
         if self.lower is not None and ev.node.value[ev.ci] is None:
-            self.lower.write_back_node(ev.node)
+            self.lower.write_back_node(ev.node, ev.ci)
 
     def write_through(self, node, min_hits: int | None = None, staged: Staged | None = None) -> int:
         """Give the device slots on the path to `node` that the host has no copy of a

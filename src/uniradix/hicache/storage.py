@@ -7,6 +7,17 @@ Errors: a backend that cannot reach its store raises `StorageUnavailable` from a
 call; a set that fails for one key (disk full, say) reports False for it and goes on.
 Every failure is counted in `stats()` (set_failures, errors); the warnings about them
 are rate-limited (`log_limit.LogLimiter`), so the counters, not the log, say how many.
+
+Something under a key's name that is not a value this backend stored (a directory or a
+FIFO in a file store, a list in Redis) is an unreadable entry: a miss, counted in
+`unreadable` (the storage tier counts it as a storage error) and removed, so that the
+next write of that key stores it again; it never blocks a read or that prefix.
+
+Every call is bounded in time: a store that does not answer raises
+`StorageUnavailable` after the backend's timeout (redis: socket_timeout; mooncake:
+op_timeout), never blocks for good. The storage tier calls backends only on its I/O
+threads and never waits for them without a deadline, so even a backend that hangs
+(a stuck network filesystem under the file backend) costs reuse, not the scheduler.
 """
 from __future__ import annotations
 
@@ -56,6 +67,18 @@ class StorageBackend(ABC):
     def batch_set(self, keys: list[str], values: list[bytes]) -> list[bool]:
         """Store each value under its key (replacing); True per key that was stored."""
 
+    def set_if_absent(self, key: str, value: bytes) -> bool:
+        """Store `value` under `key` only if nothing is there yet: False when nothing was
+        stored (the key was present, or the set failed), True when it was stored or the
+        backend cannot tell.
+        Backends do it atomically where their store can (two engines racing: one wins);
+        this default (a membership check, then a set) cannot, so callers that must know
+        who won read the key back."""
+        check_key(key)
+        if self.batch_exists([key]) == 1:
+            return False
+        return self.batch_set([key], [value]) == [True]
+
     @abstractmethod
     def delete(self, key: str) -> bool:
         """Remove one key; True if it was there."""
@@ -66,7 +89,9 @@ class StorageBackend(ABC):
 
     def stats(self) -> dict:
         """Counters: at least gets, hits, sets, set_failures (sets not stored, for any
-        reason), errors (calls or keys that failed: store unreachable, a bad reply)."""
+        reason), errors (calls or keys that failed: store unreachable, a bad reply), and
+        where a backend can meet them, unreadable (entries under a key's name that were
+        not a stored value; removed)."""
         return {}
 
     def close(self) -> None:

@@ -12,14 +12,22 @@ mix of layers goes through L3 the same way.
 Saving is split so that no store I/O runs on the scheduler's thread: `prepare_*` reads
 the tree and the pools (the scheduler's thread, which owns them) and returns a
 `SaveJob` of payloads; `commit` asks the store which keys it lacks (one batched call)
-and writes those (any thread). Keys this store has seen written or present are
-remembered (a bounded set), so a conversation's earlier turns are not read from the
-pools again. A read that finds an object damaged, forged or from another format
-deletes it at once, so the recomputed data replaces it at the next write."""
+and writes those (any thread). What a write sends is what a reader needs to resume
+(store_writes.py).
+
+Keys this store has seen written or present are remembered (a bounded set), so a
+conversation's earlier turns are not read from the pools again. That memory is a cache
+of the store, not the truth: a write re-checks the keys it skips in its one membership
+call, a read that finds fewer objects than believed, a failed call and a backend that
+reconnected (its `generation` changed) forget them, and a belief expires after
+`known_ttl` seconds; a key forgotten is written again at its path's next write. A read
+that finds an object damaged, forged or from another format deletes it at once, so the
+recomputed data replaces it at the next write."""
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -28,13 +36,15 @@ from .keys import StorageNamespace, component_key, page_keys
 from .log_limit import LogLimiter
 from .objects import CorruptObject, unpack_object
 from .storage import StorageBackend
-from .store_writes import Writing
+from .store_writes import BUSY, KNOWN, MINE, Writing
 
 log = logging.getLogger("uniradix.hicache")
 
 
 #: keys remembered as present in the store (about 40 bytes each)
 KNOWN_KEYS = 1 << 18
+#: seconds a key stays believed stored without the store confirming it again
+KNOWN_TTL_S = 600.0
 
 
 @dataclass
@@ -56,7 +66,8 @@ class L3Store(Writing):
     None for plain checksums."""
 
     def __init__(self, cache, backend: StorageBackend, namespace: StorageNamespace,
-                 secret: bytes | None = None, known_keys: int = KNOWN_KEYS) -> None:
+                 secret: bytes | None = None, known_keys: int = KNOWN_KEYS,
+                 known_ttl: float = KNOWN_TTL_S) -> None:
         if namespace.page_size != cache.page_size:
             raise ValueError(f"namespace page size {namespace.page_size} != cache page size {cache.page_size}")
         self.cache = cache
@@ -66,11 +77,16 @@ class L3Store(Writing):
         self.P = cache.page_size
         self.comps = cache.page_comps
         self.ckpt = cache.ckpt
-        self.counters = dict(saved_objects=0, saved_bytes=0, loaded_objects=0, loaded_bytes=0, corrupt=0, unauthenticated=0, deleted=0,
-                             failed_sets=0, errors=0, loads=0, failed_loads=0)
+        self.counters = dict(saved_objects=0, saved_bytes=0, loaded_objects=0, loaded_bytes=0, corrupt=0,
+                             unauthenticated=0, deleted=0, failed_sets=0, errors=0, loads=0, failed_loads=0,
+                             lost=0)  # lost: believed stored, found missing (written again)
         self._lock = threading.Lock()
-        self._known: OrderedDict = OrderedDict()
+        self._known: OrderedDict = OrderedDict()  # hash(key) -> when the store last confirmed it
         self._known_max = known_keys
+        self._known_ttl = known_ttl
+        self._queued: set = set()  # hash(key) of keys a prepared job will write: no other job reads them
+        self._generation = getattr(backend, "generation", None)
+        self._sizes: dict = {}  # bytes per handle of each pool and sidecar, by id
         self._warn = LogLimiter(log, "L3")
 
     # ------------------------------------------------------------------ keys
@@ -87,20 +103,48 @@ class L3Store(Writing):
             out.append((sc, [component_key(k, f"{c.name}_{sc.name}") for k in keys]))
         return out
 
+    # ------------------------------------------------------------------ beliefs
     def _is_known(self, key: str) -> bool:
+        """Believed stored: confirmed by the store (written, found present or read) less
+        than `known_ttl` seconds ago and not contradicted since."""
         h = hash(key)
         with self._lock:
-            if h in self._known:
-                self._known.move_to_end(h)
-                return True
-        return False
+            t = self._known.get(h)
+            if t is None:
+                return False
+            if time.monotonic() - t > self._known_ttl:
+                del self._known[h]
+                return False
+            self._known.move_to_end(h)
+            return True
+
+    def _claim(self, key: str) -> str:
+        """What a write does with `key`: KNOWN (believed stored: skip it, re-check it),
+        BUSY (a job already prepared writes it), or MINE (the caller's job writes it; no
+        other job reads it until `_release`)."""
+        if self._is_known(key):
+            return KNOWN
+        h = hash(key)
+        with self._lock:
+            if h in self._queued:
+                return BUSY
+            self._queued.add(h)
+        return MINE
+
+    def _release(self, hashes) -> None:
+        """A prepared job ended (committed, failed or dropped): its keys may be claimed again."""
+        if hashes:
+            with self._lock:
+                self._queued.difference_update(hashes)
 
     def _remember(self, keys) -> None:
+        now = time.monotonic()
         with self._lock:
             known = self._known
             for k in keys:
-                known[hash(k)] = None
-                known.move_to_end(hash(k))
+                h = hash(k)
+                known[h] = now
+                known.move_to_end(h)
             while len(known) > self._known_max:
                 known.popitem(last=False)
 
@@ -109,14 +153,49 @@ class L3Store(Writing):
             for k in keys:
                 self._known.pop(hash(k), None)
 
+    def _forget_pages(self, keys: list) -> None:
+        """The store lacks these pages (a read found them absent): forget every object
+        believed stored under their page keys, each component's and the checkpoint's."""
+        if not keys:
+            return
+        names = [c.name for c in self.comps if not c.structural]
+        if self.ckpt is not None:
+            names.append(self.ckpt.name)
+        self._forget([k for pk in keys for k in (pk, *(component_key(pk, n) for n in names))])
+
+    def forget_all(self) -> None:
+        """Believe nothing stored any more (the store failed or reconnected: it may have
+        lost anything)."""
+        with self._lock:
+            self._known.clear()
+
+    def _check_generation(self) -> None:
+        """A backend that reconnected (or learnt that its store restarted) bumps its
+        `generation`: what was believed before may be gone."""
+        g = getattr(self.backend, "generation", None)
+        if g != self._generation:
+            self._generation = g
+            self.forget_all()
+
     # ------------------------------------------------------------------ hit
     def hit(self, tokens, salt=None) -> int:
         """The deepest page-aligned boundary b such that the store has FULL pages of
         [0, b), the SWA pages of the window before b, and a MAMBA checkpoint at b."""
-        return self._hit(page_keys(tokens, self._ns(salt)))
+        return self._reading(self._hit, page_keys(tokens, self._ns(salt)))
+
+    def _reading(self, fn, *args):
+        """Run a read. One that fails (the store unreachable, a backend error) may mean
+        the store lost anything: nothing is believed stored after it."""
+        self._check_generation()
+        try:
+            return fn(*args)
+        except Exception:
+            self.forget_all()
+            raise
 
     def _hit(self, keys: list[str]) -> int:
         b_pages = self.backend.batch_exists(keys)
+        self._forget_pages(keys[b_pages:])  # absent: whatever was believed of them is wrong
         while b_pages > 0:
             b = b_pages * self.P
             if self._accepts(keys, b):
@@ -131,11 +210,14 @@ class L3Store(Writing):
                 continue
             lo = c.window_start(b) // P
             ks = [self._key(k, c) for k in keys[lo:b // P]]
-            if self.backend.batch_exists(ks) != len(ks):
+            n = self.backend.batch_exists(ks)
+            if n != len(ks):
+                self._forget(ks[n:])
                 return False
         if self.ckpt is not None:
             k = component_key(keys[b // P - 1], self.ckpt.name)
             if self.backend.batch_exists([k]) != 1:
+                self._forget([k])
                 return False
         return True
 
@@ -161,16 +243,23 @@ class L3Store(Writing):
         """The I/O half of a load, safe to run on a background thread: find the store's
         hit and, when it passes `start` by at least `threshold` tokens, read and check
         everything from `start` to it. Nothing is written to the pools (see apply)."""
+        return self._reading(self._prefetch, tokens, start, pages, state_slot, salt, threshold)
+
+    def _prefetch(self, tokens, start, pages, state_slot, salt, threshold):
         keys = page_keys(tokens, self._ns(salt))  # hashed once for the hit and the read
         h = self._hit(keys)
         if h - start < max(threshold, 1):
             return None
-        return self.fetch(tokens, h, pages, state_slot, salt, start, keys[:h // self.P])
+        return self._fetch(tokens, h, pages, state_slot, salt, start, keys[:h // self.P])
 
     def fetch(self, tokens, b: int, pages: dict, state_slot: int | None = None, salt=None,
               start: int = 0, keys: list[str] | None = None) -> "Fetched | None":
-        """Read and check the objects `load` would write; None when one is missing or bad.
-        `keys`: the page keys of tokens[:b], when the caller has them."""
+        """Read and check the objects `load` would write; None when one is missing or bad
+        (then nothing of it is believed stored any more). `keys`: the page keys of
+        tokens[:b], when the caller has them."""
+        return self._reading(self._fetch, tokens, b, pages, state_slot, salt, start, keys)
+
+    def _fetch(self, tokens, b, pages, state_slot, salt, start, keys):
         if b % self.P or start % self.P:
             raise ValueError(f"boundary {b} and start {start} must be page-aligned ({self.P})")
         self._count("loads")
@@ -220,7 +309,7 @@ class L3Store(Writing):
             blobs.append(got)
             i += len(ks)
         if bad or absent:
-            self._forget(absent)
+            self._forget(all_keys)  # a failed read: what it covers is re-checked before it is skipped again
             self._drop(bad)
             self._count("failed_loads")
             return None
@@ -264,5 +353,7 @@ class L3Store(Writing):
         return dict(self.counters, backend=self.backend.stats())
 
     def close(self) -> None:
-        """Log the failures not yet reported."""
+        """Log the failures not yet reported; jobs never committed hold nothing back."""
+        with self._lock:
+            self._queued.clear()
         self._warn.flush()

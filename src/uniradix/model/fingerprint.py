@@ -5,7 +5,11 @@ architecture compute different KV, so their stored pages must never meet.
 `file_fingerprint` digests checkpoint files by content alone (not by name or place, so
 every node of a fleet that holds the same files gets the same fingerprint), and
 remembers each file's digest in a small JSON cache keyed by the file's real path,
-size, mtime_ns and inode, so that a restart does not rehash gigabytes."""
+size, mtime_ns and inode, so that a restart does not rehash gigabytes.
+`weights_witness` is the cheap one: a digest of the names, dtypes, shapes and a few
+fixed elements of up to 512 tensors, computed from the loaded tensors in milliseconds
+however big the model, that the L3 tier stores in its namespace and checks (see
+hicache.witness)."""
 from __future__ import annotations
 
 import hashlib
@@ -30,6 +34,71 @@ _CHUNK = 4 << 20  # bytes read (and hashed with the GIL released) at a time
 _RACY_NS = 2_000_000_000
 _PARALLEL_BYTES = 64 << 20  # below this, threads cost more than they save
 _warned: set[str] = set()
+#: elements a witness reads of each tensor, evenly spaced over its values (first and last included)
+WITNESS_SAMPLES = 64
+#: tensors a witness reads (name, dtype, shape, elements), at most: evenly spaced in name order
+WITNESS_TENSORS = 512
+
+
+# ---------------------------------------------------------------- the witness
+def weights_witness(weights) -> str:
+    """SHA-256 (hex) over the number of tensors and, for up to WITNESS_TENSORS of them
+    (evenly spaced in the order of their canonical names: the dotted path in the weights,
+    "layers.0.wq", or a checkpoint's own name), the name, dtype, shape and WITNESS_SAMPLES
+    fixed elements. The same values under the same names give the same witness however
+    they were loaded (one file, shards, handed in memory, dequantized from GGUF); other
+    weights differ in the sampled elements. It reads a few thousand elements, not the
+    weights: milliseconds on any model, on any device (one copy per dtype)."""
+    named: list = []
+    _named_tensors(weights, "", named)
+    named.sort(key=lambda nt: nt[0])
+    n = len(named)
+    chosen = range(n) if n <= WITNESS_TENSORS else sorted({i * n // WITNESS_TENSORS for i in range(WITNESS_TENSORS)})
+    head, by_dtype = [n], {}
+    for i in chosen:
+        name, t = named[i]
+        if t.layout != torch.strided or t.is_meta:
+            raise TypeError(f"weights at {name}: cannot witness a {t.layout} {'meta ' if t.is_meta else ''}tensor")
+        t = t.detach()
+        head.append([name, str(t.dtype), list(t.shape)])
+        if t.numel():
+            by_dtype.setdefault(str(t.dtype), []).append(_samples(t))
+    h = hashlib.sha256(b"uniradix-witness-v1\0")
+    text = json.dumps(head, separators=(",", ":")).encode()
+    h.update(len(text).to_bytes(8, "little") + text)
+    for dt in sorted(by_dtype):
+        h.update(dt.encode() + b"\0" + _tensor_digest(torch.cat(by_dtype[dt])))
+    return h.hexdigest()
+
+
+def _named_tensors(x, prefix: str, out: list) -> None:
+    """(dotted name, tensor) for every tensor in nested dicts and lists."""
+    if isinstance(x, torch.Tensor):
+        out.append((prefix[:-1], x))
+        return
+    if isinstance(x, dict):
+        items = x.items()
+    elif isinstance(x, (list, tuple)):
+        items = enumerate(x)
+    else:
+        raise TypeError(f"weights at {prefix[:-1] or 'the top level'}: expected a tensor, dict or list, "
+                        f"got {type(x).__name__}")
+    for k, v in items:
+        if isinstance(v, torch.Tensor):
+            out.append((f"{prefix}{k}", v))
+        else:
+            _named_tensors(v, f"{prefix}{k}.", out)
+
+
+def _samples(t: torch.Tensor) -> torch.Tensor:
+    """WITNESS_SAMPLES elements of t at fixed, evenly spaced positions of its row-major
+    order (read in place: a strided tensor is not copied)."""
+    m = t.numel()
+    k = min(WITNESS_SAMPLES, m)
+    pos = torch.tensor(sorted({i * (m - 1) // max(k - 1, 1) for i in range(k)}), device=t.device)
+    if t.is_contiguous():
+        return t.reshape(-1)[pos]
+    return t[torch.unravel_index(pos, t.shape)]
 
 
 # ---------------------------------------------------------------- weights in memory

@@ -4,13 +4,18 @@ is a ratio of two counters (`uniradix_cached_tokens_total` over
 
 The counters and gauges are read from one snapshot of `Engine.stats()` taken on the
 scheduler thread at scrape time: what /metrics says is what the engine counted, never a
-second count, and a gauge never runs ahead of the counters beside it."""
+second count, and a gauge never runs ahead of the counters beside it. What happens to
+the HTTP connections themselves (closed for slowness, refused at the limit, clients
+that left mid-body) is the server's own count, kept here as it happens."""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: why the server closes a connection before its request is in
+CLOSE_REASONS = ("header_timeout", "body_timeout", "evicted")
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -33,6 +38,10 @@ STORAGE_COUNTERS = {
     "storage_saved_objects": ("storage_saved_objects", "objects written to L3"),
     "storage_errors": ("storage_errors", "L3 calls that failed"),
     "storage_corrupt_objects": ("storage_corrupt_objects", "L3 objects found corrupt or forged (never used)"),
+    "storage_lost_objects": ("storage_lost_objects", "L3 objects believed stored but found missing (written "
+                             "again at their path's next write)"),
+    "storage_witness_mismatch": ("storage_witness_mismatches", "L3 namespaces found holding other weights' "
+                                 "witness (L3 is then refused to this server)"),
 }
 
 
@@ -49,6 +58,20 @@ class ServerMetrics:
                              buckets=_LATENCY, registry=r)
         self.e2e = Histogram("uniradix_e2e_request_latency_seconds", "arrival to last token", buckets=_LATENCY,
                              registry=r)
+        self.connections_open = Gauge("uniradix_connections_open", "HTTP connections open", registry=r)
+        self.connections_closed = Counter(
+            "uniradix_connections_closed", "connections the server closed before their request was in, by why: "
+            "header_timeout (no whole request head within --request-header-timeout), body_timeout (no whole body "
+            "within --request-body-timeout), evicted (waiting longest for a request head at --max-connections)",
+            ["reason"], registry=r)
+        for reason in CLOSE_REASONS:  # every reason shows from the start, at 0
+            self.connections_closed.labels(reason)
+        self.connections_refused = Counter(
+            "uniradix_connections_refused", "connections answered 503 at --max-connections, every open one "
+            "busy with a request", registry=r)
+        self.client_disconnects = Counter(
+            "uniradix_client_disconnects", "requests whose client left before sending the whole body",
+            registry=r)
         self._snapshot: dict | None = None
         r.register(self)
 
@@ -81,6 +104,8 @@ class ServerMetrics:
         yield GaugeMetricFamily("uniradix_running_requests", "requests running (prefetching from L3 included)",
                                 value=st["running"] + st["prefetching"])
         yield GaugeMetricFamily("uniradix_waiting_requests", "requests queued for admission", value=st["waiting"])
+        yield GaugeMetricFamily("uniradix_storage_refused", "1 when L3 is refused to this server (its namespace "
+                                "holds other weights' witness: no reads, no writes)", value=st.get("storage_refused", 0))
         yield GaugeMetricFamily("uniradix_sessions_open", "sessions open", value=s["sessions"])
         yield GaugeMetricFamily("uniradix_session_references", "sessions whose next turn the tree keeps "
                                 "referenced", value=st["cache"]["sessions"])

@@ -18,6 +18,11 @@ from .sessions import Sessions
 
 log = logging.getLogger("uniradix.server")
 
+#: the share of the graceful timeout kept, where there is an L3, for writing the cache
+#: down after the running requests (at most the storage tier's io_timeout): requests
+#: that run to the end would otherwise leave the write-down no time at all
+WRITE_DOWN_SHARE = 0.25
+
 
 class Stream:
     """One request's events for the event loop: (new output ids, done). The scheduler
@@ -100,8 +105,9 @@ class EngineRunner:
 
     def request_stop(self, timeout: float) -> None:
         """Refuse new requests from now, let running ones finish for up to `timeout`
-        seconds, then abort the rest (their clients get an abort, not a cut), wait for
-        queued L3 writes and end the thread. Returns at once (a signal handler calls it)."""
+        seconds (less WRITE_DOWN_SHARE of it where there is an L3), then abort the rest
+        (their clients get an abort, not a cut), write the tiers down to L3 in what is
+        left of `timeout` and end the thread. Returns at once (a signal handler calls it)."""
         self._put(("stop", time.monotonic() + timeout))
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -127,16 +133,17 @@ class EngineRunner:
     # ------------------------------------------------------------------ scheduler thread
     def _loop(self) -> None:
         eng = self.engine
-        deadline = None
+        deadline = drained = None
         try:
             while True:
                 for kind, arg in self._drain():
                     if kind == "stop":
                         self._stopping = True
                         deadline = arg if deadline is None else min(deadline, arg)
+                        drained = deadline - self._write_down_reserve(deadline)
                     else:
                         self._handle(kind, arg)
-                if self._stopping and (not self._busy() or time.monotonic() >= deadline):
+                if self._stopping and (not self._busy() or time.monotonic() >= drained):
                     break
                 if self._busy():
                     eng.step()
@@ -146,7 +153,15 @@ class EngineRunner:
             self.failure = e
             log.exception("the scheduler thread failed")
         finally:
-            self._shutdown(eng)
+            self._shutdown(eng, deadline)
+
+    def _write_down_reserve(self, deadline: float) -> float:
+        """Seconds before the graceful deadline at which running requests are aborted,
+        so that writing the cache down to L3 (Engine.close) still has time."""
+        storage = self.engine.storage
+        if storage is None:
+            return 0.0
+        return min(storage.io_timeout, WRITE_DOWN_SHARE * max(0.0, deadline - time.monotonic()))
 
     def _busy(self) -> bool:
         e = self.engine
@@ -239,7 +254,7 @@ class EngineRunner:
         known = self.sessions.close(sid)
         return self.engine.close_session(sid) or known
 
-    def _shutdown(self, eng: Engine) -> None:
+    def _shutdown(self, eng: Engine, deadline: float | None = None) -> None:
         for s in list(self.streams.values()):
             eng.abort(s.req, "the server is shutting down")
             self._send(s, time.perf_counter())
@@ -252,9 +267,14 @@ class EngineRunner:
                 _refuse(arg)
             elif kind == "call":
                 arg[1].cancel()
+        # what was handed to the store reaches it and the tiers are written down, within
+        # what is left of the graceful timeout (at least the share the requests left it;
+        # without a stop, the storage tier's own io_timeout): a store that hangs never
+        # holds the process past it
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            eng.flush_writes()  # what was handed to the store reaches it
-            eng.close()
+            eng.flush_writes(left)
+            eng.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
         except Exception:
             log.exception("closing the engine failed")
 

@@ -317,6 +317,22 @@ def test_other_architectures_and_strange_tensors_are_refused(tiny, tmp_path):
         read_gguf(odd)
 
 
+@pytest.mark.parametrize("variant", ["f32", "quant"])
+def test_the_witness_is_the_values_not_the_file_format(tiny, variant, tmp_path):
+    """The L3 witness of a GGUF's weights (dequantized) equals that of the same values
+    in safetensors, and differs from the original checkpoint's where quantization
+    changed them: what a namespace shares is decided by the values the engine computes
+    with."""
+    from uniradix.model import weights_witness
+    from uniradix.model.hf import load_checkpoint
+    from uniradix.model.hf.gguf import read_gguf
+    ours = load_checkpoint(tiny[variant])
+    same = load_checkpoint(same_weights_dir(tmp_path, tiny, read_gguf(tiny[variant])))
+    assert weights_witness(ours.weights) == weights_witness(same.weights)
+    if variant == "quant":
+        assert weights_witness(ours.weights) != weights_witness(load_checkpoint(tiny["hf"]).weights)
+
+
 # ---------------------------------------------------------------------------- the real 270M
 WATER = "Water boils at a temperature of"
 REAL_TEXTS = TEXTS + ["The quick brown fox jumps over the lazy dog.", "\u00bfQu\u00e9 tal? \U0001F600 \u00e7a va",

@@ -5,11 +5,22 @@ none, even with several engines writing the same key.
 A set that fails (disk full, read-only) costs that key: False, counted in set_failures,
 warned about once and then in summaries (log_limit.py). A directory that is gone is the
 store unavailable (StorageUnavailable) from any call. A path that cannot be a writable
-directory is a ValueError at start-up."""
+directory is a ValueError at start-up.
+
+Only regular files are read: an entry is looked at with lstat and opened with
+O_NOFOLLOW | O_NONBLOCK (then fstat), so a FIFO, a socket, a device, a symbolic link or
+a directory under a key's name never blocks a read and is never followed. Such an entry
+is unreadable: a miss, counted (unreadable, errors), warned about, and removed, so the
+next write of that key stores it. A read on a filesystem that hangs (a network mount
+gone away) blocks only the storage tier's I/O thread that made it, never the scheduler
+(see hicache.l3)."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import shutil
+import stat
 import threading
 import uuid
 
@@ -21,7 +32,9 @@ log = logging.getLogger("uniradix.hicache")
 DEFAULT_DIR = "/tmp/hicache"
 SETTINGS = ("path", "fsync")
 COUNTERS = ("gets", "hits", "sets", "set_failures", "errors", "bytes_written", "bytes_read",
-            "exists_calls", "deletes")
+            "exists_calls", "deletes", "unreadable")
+# a read opens nothing but a regular file, never follows a link, never waits on a FIFO
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 class FileBackend(StorageBackend):
@@ -58,11 +71,11 @@ class FileBackend(StorageBackend):
         return [self._file(k) for k in keys]
 
     def _present(self, f: str) -> bool:
-        """One stat; a key it cannot tell about (EACCES, EIO) is absent, counted and
-        logged, never raised."""
+        """One lstat; a key it cannot tell about (EACCES, EIO) is absent, counted and
+        logged, never raised. An entry that is not a regular file is absent too, and
+        removed (`_unreadable`)."""
         try:
-            os.stat(f)
-            return True
+            st = os.lstat(f)
         except (FileNotFoundError, NotADirectoryError):
             return False
         except OSError as e:
@@ -70,6 +83,61 @@ class FileBackend(StorageBackend):
             self._count(errors=1)
             self.failure_log.failure("failed existence checks", "checking %s failed: %s", f, e)
             return False
+        if stat.S_ISREG(st.st_mode):
+            return True
+        self._unreadable(f, st.st_mode)
+        return False
+
+    def _unreadable(self, f: str, mode: int) -> None:
+        """Something not written here sits under a key's name: counted, warned about, and
+        removed, so that the key can be stored again (rather than block its prefix)."""
+        self._count(errors=1, unreadable=1)
+        what = _entry_kind(mode)
+        try:
+            if stat.S_ISDIR(mode):   # renamed first: of two engines removing it, one does
+                aside = os.path.join(self.path, f".{os.path.basename(f)[:16]}.{uuid.uuid4().hex}.tmp")
+                os.rename(f, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.unlink(f)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self.failure_log.failure("unreadable entries", "%s is a %s, not a stored object, and could not "
+                                     "be removed: %s", f, what, e)
+            return
+        self.failure_log.failure("unreadable entries", "%s was a %s, not a stored object: removed", f, what)
+
+    def _read(self, f: str) -> bytes | None:
+        """The bytes of the regular file f; None when absent or unreadable (removed)."""
+        try:
+            st = os.lstat(f)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            self._unreadable(f, st.st_mode)
+            return None
+        try:
+            fd = os.open(f, _READ_FLAGS)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise
+            return self._swapped(f)   # replaced by a link, a socket or a directory since the lstat
+        with os.fdopen(fd, "rb") as fh:
+            mode = os.fstat(fh.fileno()).st_mode
+            if not stat.S_ISREG(mode):   # replaced by a FIFO or a device since the lstat
+                self._unreadable(f, mode)
+                return None
+            return fh.read()
+
+    def _swapped(self, f: str) -> None:
+        try:
+            self._unreadable(f, os.lstat(f).st_mode)
+        except FileNotFoundError:
+            pass
+        return None
 
     def _require_dir(self, cause: OSError | None = None) -> None:
         """After a miss or a failure: the whole directory gone is the store unavailable
@@ -102,18 +170,15 @@ class FileBackend(StorageBackend):
         for f in self._files(keys):
             self._count(gets=1)
             try:
-                with open(f, "rb") as fh:
-                    data = fh.read()
-            except FileNotFoundError:
-                out.append(None)
-                continue
+                data = self._read(f)
             except OSError as e:
                 self._require_dir(e)
                 self._count(errors=1)
                 self.failure_log.failure("failed reads", "reading %s failed: %s", f, e)
                 out.append(None)
                 continue
-            self._count(hits=1, bytes_read=len(data))
+            if data is not None:
+                self._count(hits=1, bytes_read=len(data))
             out.append(data)
         return out
 
@@ -126,23 +191,65 @@ class FileBackend(StorageBackend):
                 raise TypeError(f"file backend stores bytes, got {type(v).__name__}")
         return [self._set(k, f, v) for k, f, v in zip(keys, files, values)]
 
-    def _set(self, key: str, f: str, value: bytes) -> bool:
+    def set_if_absent(self, key: str, value: bytes) -> bool:
+        """Atomic: the object is written to a temporary file and hard-linked to the key's
+        name, which fails if anything is there (an unreadable entry is removed first).
+        Where the filesystem has no hard links, a rename after a check (not atomic)."""
+        f = self._file(key)
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise TypeError(f"file backend stores bytes, got {type(value).__name__}")
+        return self._set(key, f, value, exclusive=True)
+
+    def _set(self, key: str, f: str, value: bytes, exclusive: bool = False) -> bool:
         tmp = os.path.join(self.path, f".{key[:16]}.{uuid.uuid4().hex}.tmp")
         self._count(sets=1)
         try:
             self._write(tmp, value)
-            os.replace(tmp, f)
+            if exclusive:
+                stored = self._link(tmp, f)
+                _unlink_quietly(tmp)   # linked or not, the name is no longer needed
+                if not stored:         # something was there: not a failure, nothing stored
+                    return False
+            else:
+                self._replace(tmp, f)
         except OSError as e:  # disk full, quota, permissions: this key is not stored
             self._count(set_failures=1)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            _unlink_quietly(tmp)
             self._require_dir(e)
             self.failure_log.failure("failed sets", "storing %s failed: %s", key, e)
             return False
         self._count(bytes_written=memoryview(value).nbytes)
         return True
+
+    def _replace(self, tmp: str, f: str) -> None:
+        """Rename into place; a directory under the key's name (a rename cannot replace
+        it) is removed first, then the rename is tried again."""
+        try:
+            os.replace(tmp, f)
+        except OSError as e:
+            if e.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+            self._present(f)   # removes what is not a regular file
+            os.replace(tmp, f)
+
+    def _link(self, tmp: str, f: str) -> bool:
+        """Give tmp the key's name unless something is there: False when a regular file
+        is (an unreadable entry is removed and the link tried again)."""
+        for _ in range(2):
+            try:
+                os.link(tmp, f)
+                return True
+            except FileExistsError:
+                if self._present(f):
+                    return False
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                    raise
+                if self._present(f):   # no hard links here: check, then rename
+                    return False
+                self._replace(tmp, f)
+                return True
+        return False
 
     def _write(self, tmp: str, value: bytes) -> None:
         with open(tmp, "wb") as fh:
@@ -160,6 +267,8 @@ class FileBackend(StorageBackend):
         except FileNotFoundError:
             self._require_dir()
             return False
+        except IsADirectoryError:   # not ours: removed as unreadable
+            return not self._present(f) and not os.path.lexists(f)
         except OSError as e:   # read-only, permissions: not removed
             self._require_dir(e)
             self._count(errors=1)
@@ -181,6 +290,8 @@ class FileBackend(StorageBackend):
                 os.unlink(os.path.join(self.path, name))
             except FileNotFoundError:
                 pass
+            except IsADirectoryError:   # not ours: removed as unreadable
+                self._present(os.path.join(self.path, name))
             except OSError as e:
                 self._require_dir(e)
                 self._count(errors=1)
@@ -197,6 +308,23 @@ class FileBackend(StorageBackend):
 
     def __repr__(self) -> str:
         return f"FileBackend(path={self.path!r})"
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _entry_kind(mode: int) -> str:
+    """What a non-regular entry is, for the log."""
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+                       (stat.S_ISLNK, "symbolic link"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
 
 
 def _check_writable_dir(path: str) -> None:

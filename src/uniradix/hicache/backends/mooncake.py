@@ -20,9 +20,10 @@ name itself; the config wins over the environment):
 
 Sizes are bytes, or a number with a unit (KB, MB, GB, TB or KiB, ...; powers of 1024).
 Mooncake's own JSON names are accepted as aliases: master_server_address,
-metadata_server, device_name. Config only: `prefix` (default "uniradix:") and
+metadata_server, device_name. Config only: `prefix` (default "uniradix:"),
 `connect_timeout` (seconds, default 2: how long the reachability probe of the master
-waits, see below).
+waits, see below) and `op_timeout` (seconds, default 10: how long one store call may
+take, see below).
 
 What Mooncake does, and how the interface maps onto it:
 
@@ -55,7 +56,15 @@ that failed to reach the master, a plain TCP connect to the master's port (at mo
 `connect_timeout`) decides at once whether to try: a master that is down costs a
 refused connect, not Mooncake's own retries (20 attempts of seconds each at setup, a
 reconnect of ~4 s per call). A port that accepts but never answers can still hold
-setup for MC_STORE_CLIENT_SETUP_RETRIES (default 20) times the RPC timeout.
+setup for MC_STORE_CLIENT_SETUP_RETRIES (default 20) times the RPC timeout; the
+constructor and every call wait for it at most `op_timeout` (see below).
+
+Bounded calls: the Mooncake client has no timeout of its own for a call, so each runs
+on one of the backend's daemon threads and is waited for at most `op_timeout`; past it
+the call raises `StorageUnavailable` and is left to return on its thread (a client
+that is still setting up is closed when it does). While MAX_HUNG calls are left so,
+new calls fail at once. close() waits at most `op_timeout` for calls in flight, and
+does not close a client a call is still inside (the process ends it).
 
 The client also listens itself, for its peers: the transfer engine's handshake port is
 bound to 0.0.0.0 (hard-coded in the transfer engine) and the TCP transport to all
@@ -76,6 +85,7 @@ import socket
 import threading
 import time
 
+from ..io_threads import DaemonThreads
 from ..log_limit import LogLimiter
 from ..storage import StorageBackend, StorageUnavailable, check_key
 
@@ -84,6 +94,9 @@ log = logging.getLogger("uniradix.hicache")
 DEFAULT_PREFIX = "uniradix:"
 DEFAULT_SEGMENT = 64 << 20
 DEFAULT_CONNECT_TIMEOUT = 2.0
+DEFAULT_OP_TIMEOUT = 10.0
+#: calls past op_timeout still inside the client beyond which new calls fail at once
+MAX_HUNG = 4
 PIP_PACKAGE = "mooncake-transfer-engine-non-cuda"
 
 # setting -> (environment variable, default); None: required
@@ -98,7 +111,7 @@ SETTINGS = {
 }
 ALIASES = {"master_server_address": "master", "metadata_server": "te_meta_data_server",
            "device_name": "device"}
-OWN = ("prefix", "connect_timeout")   # config only
+OWN = ("prefix", "connect_timeout", "op_timeout")   # config only
 CONFIG_KEYS = frozenset(SETTINGS) | frozenset(env for env, _ in SETTINGS.values()) \
     | frozenset(ALIASES) | frozenset(OWN)
 
@@ -222,13 +235,18 @@ def resolve_settings(config: dict | None = None, environ=None) -> dict:
         raise ValueError(f"mooncake backend: prefix must be up to 128 of A-Z a-z 0-9 _ . : / -, "
                          f"got {prefix!r}")
     out["prefix"] = prefix
-    timeout = given.get("connect_timeout", (None, DEFAULT_CONNECT_TIMEOUT))[1]
-    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-            or not 0 < timeout < math.inf):
-        raise ValueError(f"mooncake backend: connect_timeout must be a positive, finite number "
-                         f"of seconds, got {timeout!r}")
-    out["connect_timeout"] = float(timeout)
+    for name, default in (("connect_timeout", DEFAULT_CONNECT_TIMEOUT), ("op_timeout", DEFAULT_OP_TIMEOUT)):
+        timeout = given.get(name, (None, default))[1]
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not 0 < timeout < math.inf):
+            raise ValueError(f"mooncake backend: {name} must be a positive, finite number "
+                             f"of seconds, got {timeout!r}")
+        out[name] = float(timeout)
     return out
+
+
+class CallTimedOut(StorageUnavailable):
+    """A store call took longer than op_timeout (it goes on, on its own thread)."""
 
 
 class MooncakeBackend(StorageBackend):
@@ -257,6 +275,8 @@ class MooncakeBackend(StorageBackend):
         self._closed = False
         self._store = None
         self._suspect = False   # the last call failed to reach the master: probe first
+        self._hung = 0          # calls abandoned past op_timeout, still inside the client
+        self._calls = DaemonThreads(MAX_HUNG + 4, "uniradix-mooncake")
         self.counters = dict.fromkeys(("gets", "hits", "sets", "set_failures", "errors",
                                        "bytes_written", "bytes_read", "exists_calls", "deletes",
                                        "connects"), 0)
@@ -293,9 +313,15 @@ class MooncakeBackend(StorageBackend):
         s = self.settings
         store = self._cls()
         try:
-            rc = store.setup(s["local_hostname"], s["te_meta_data_server"], s["global_segment_size"],
-                             s["local_buffer_size"], s["protocol"], s["device"], self.master)
-        except (RuntimeError, TypeError, ValueError) as e:
+            rc = self._rpc(store.setup, s["local_hostname"], s["te_meta_data_server"], s["global_segment_size"],
+                           s["local_buffer_size"], s["protocol"], s["device"], self.master,
+                           abandoned=lambda: _close_quietly(store))
+        except CallTimedOut:
+            raise   # closed when the setup returns
+        except StorageUnavailable:
+            _close_quietly(store)
+            raise
+        except (TypeError, ValueError) as e:
             _close_quietly(store)
             raise self._unavailable(f"client setup failed: {e}") from e
         if rc != OK:
@@ -334,12 +360,39 @@ class MooncakeBackend(StorageBackend):
                 self._inflight -= 1
                 self._idle.notify_all()
 
-    def _rpc(self, fn, *args):
-        """A store call; an exception from the binding is the store failing."""
+    def _rpc(self, fn, *args, abandoned=None):
+        """A store call, on a daemon thread, waited for at most op_timeout (CallTimedOut
+        past it; `abandoned()` runs once the call returns after all). An exception from
+        the binding is the store failing."""
+        name = getattr(fn, "__name__", fn)
+        with self._lock:
+            hung = self._hung
+        if hung >= MAX_HUNG:
+            raise self._unavailable(f"has {hung} calls that did not return within op_timeout "
+                                    f"({self.settings['op_timeout']:g} s)")
+        fut = self._calls.submit(fn, *args)
         try:
-            return fn(*args)
-        except (RuntimeError, OSError) as e:
-            raise self._unavailable(f"call {getattr(fn, '__name__', fn)} failed: {e}") from e
+            return fut.result(timeout=self.settings["op_timeout"])
+        except (RuntimeError, OSError) as e:   # TimeoutError is an OSError: told apart by done()
+            if fut.done():
+                raise self._unavailable(f"call {name} failed: {e}") from e
+        if not fut.cancel():   # it runs on: counted until it returns
+            with self._lock:
+                self._hung += 1
+            fut.add_done_callback(lambda _: self._returned(abandoned))
+        with self._lock:
+            self.counters["errors"] += 1
+            self._suspect = True
+        raise CallTimedOut(f"mooncake backend: master {self.master} did not answer {name} within "
+                           f"op_timeout ({self.settings['op_timeout']:g} s)")
+
+    def _returned(self, abandoned) -> None:
+        """A call abandoned past op_timeout has returned."""
+        with self._lock:
+            self._hung -= 1
+            self._idle.notify_all()
+        if abandoned is not None:
+            abandoned()
 
     def _check_rc(self, rc: int, what: str) -> None:
         if rc in UNAVAILABLE:
@@ -502,6 +555,29 @@ class MooncakeBackend(StorageBackend):
         if chunk:
             yield chunk
 
+    def set_if_absent(self, key: str, value: bytes) -> bool:
+        """A plain put: Mooncake keeps a value already there (and answers success either
+        way), so of two engines racing the first one's value stays. True: stored, or a
+        value was there already (read back to know which)."""
+        name = self._names([key])[0]
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise TypeError(f"mooncake backend stores bytes, got {type(value).__name__}")
+        size = memoryview(value).nbytes
+        if not 0 < size <= self._max_value:
+            self._count(sets=1, set_failures=1)
+            return False
+        try:
+            with self._op() as store:
+                rc = self._rpc(store.put, name, value)
+            self._check_rc(rc, "a put")
+        except StorageUnavailable:
+            self._count(sets=1, set_failures=1)
+            raise
+        if rc != OK:
+            self.failure_log.failure("failed sets", "storing %s failed: %s", name, _code(rc))
+        self._count(sets=1, set_failures=int(rc != OK), bytes_written=size if rc == OK else 0)
+        return rc == OK
+
     def delete(self, key: str) -> bool:
         name = self._names([key])[0]
         with self._op() as store:
@@ -538,12 +614,17 @@ class MooncakeBackend(StorageBackend):
             if self._closed:
                 return
             self._closed = True
-            deadline = time.monotonic() + 60
-            while self._inflight and time.monotonic() < deadline:
+            deadline = time.monotonic() + self.settings["op_timeout"]
+            while (self._inflight or self._hung) and time.monotonic() < deadline:
                 self._idle.wait(deadline - time.monotonic())
+            busy = self._inflight + self._hung
             store, self._store = self._store, None
-        if store is not None:
+        if store is not None and busy:   # closing a client a call is still inside could crash
+            log.warning("mooncake backend (master %s): %d call(s) still running at close; the client "
+                        "is left to the process's end", self.master, busy)
+        elif store is not None:
             _close_quietly(store)
+        self._calls.shutdown()
         self.failure_log.flush()
 
     def __repr__(self) -> str:

@@ -7,7 +7,9 @@ per key, in one pipeline). A server that cannot be reached or does not answer wi
 `socket_timeout` raises `StorageUnavailable` naming the URL; a per-key error reply to a
 SET (OOM under `maxmemory` with `noeviction`, a read-only replica) stores nothing for
 that key and reports False for it, counted in set_failures and warned about once (then
-in summaries, see log_limit.py).
+in summaries, see log_limit.py). A value of another type under a key's name (GET
+answers WRONGTYPE) is an unreadable entry: a miss, counted (unreadable, errors) and
+deleted, so the next write of that key stores it again.
 
 L3 eviction belongs to the server: give it a `maxmemory` and an eviction policy
 (`allkeys-lru`, say) if it should drop old objects rather than refuse new ones.
@@ -20,8 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from urllib.parse import urlsplit, urlunsplit
-
+from ...redact import redact
 from ..log_limit import LogLimiter
 from ..storage import KEY_RE, StorageBackend, StorageUnavailable, check_key
 
@@ -44,20 +45,10 @@ def _redis_module():
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ***, for messages and stats."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    """The URL with its secrets masked (***), for messages and stats: the password
+    with or without a user, and `?password=` and the other secret query keys
+    (uniradix.redact, the one rule every printed setting follows)."""
+    return redact(url)
 
 
 class RedisBackend(StorageBackend):
@@ -95,7 +86,7 @@ class RedisBackend(StorageBackend):
         self._closed = False
         self.counters = dict.fromkeys(("gets", "hits", "sets", "set_failures", "errors",
                                        "bytes_written", "bytes_read", "exists_calls", "deletes",
-                                       "bad_replies"), 0)
+                                       "bad_replies", "unreadable"), 0)
         self.failure_log = LogLimiter(log, f"redis backend at {self.safe_url}")
         try:
             # One retry, only for a dropped connection (a pooled socket the server closed,
@@ -179,11 +170,14 @@ class RedisBackend(StorageBackend):
         replies = self._pipeline(lambda p: [p.get(n) for n in names])
         out: list[bytes | None] = []
         hits = nbytes = bad = 0
+        foreign = []
         for n, r in zip(names, replies):
             if isinstance(r, Exception) or (r is not None and not isinstance(r, bytes)):
                 # WRONGTYPE (someone else's value under our name) or the like: a miss.
                 self.failure_log.failure("failed reads", "reading %s failed: %s", n, _describe(r))
                 bad += 1
+                if "WRONGTYPE" in str(r):
+                    foreign.append(n)
                 out.append(None)
             elif r is None:
                 out.append(None)
@@ -191,7 +185,13 @@ class RedisBackend(StorageBackend):
                 hits += 1
                 nbytes += len(r)
                 out.append(r)
-        self._count(gets=len(names), hits=hits, bytes_read=nbytes, bad_replies=bad, errors=bad)
+        self._count(gets=len(names), hits=hits, bytes_read=nbytes, bad_replies=bad, errors=bad,
+                    unreadable=len(foreign))
+        if foreign:   # unreadable entries go, so that the next write stores the key again
+            try:
+                self._call(self.client.delete, *foreign)
+            except StorageUnavailable as e:
+                self.failure_log.failure("failed deletes", "removing unreadable %s failed: %s", foreign[0], e)
         return out
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> list[bool]:
@@ -228,6 +228,21 @@ class RedisBackend(StorageBackend):
             self.failure_log.failure("failed sets", "%d of %d sets refused: %s", failed,
                                      len(names), _describe(first_error), count=failed)
         return ok
+
+    def set_if_absent(self, key: str, value: bytes) -> bool:
+        """SET NX: atomic, one round trip."""
+        name = self._k(key)
+        if isinstance(value, (bytearray, memoryview)):
+            value = bytes(value)
+        if not isinstance(value, bytes):
+            raise TypeError(f"redis backend stores bytes, got {type(value).__name__}")
+        try:
+            stored = bool(self._call(lambda: self.client.set(name, value, nx=True)))
+        except StorageUnavailable:
+            self._count(sets=1, set_failures=1)
+            raise
+        self._count(sets=1, bytes_written=len(value) if stored else 0)
+        return stored
 
     def delete(self, key: str) -> bool:
         name = self._k(key)

@@ -1,0 +1,291 @@
+"""The witness of a namespace's weights: engines that name their model themselves
+(model_fingerprint) but hold other weights must never read each other's L3 data; the
+same weights in another layout still share; two engines starting at once agree on one
+witness; a store that is down at start delays nothing; a store later claimed by other
+weights is noticed."""
+import logging
+import random
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
+from engine_checks import check_exact, greedy  # noqa: E402
+
+from uniradix.engine import Engine  # noqa: E402
+from uniradix.hicache import StorageNamespace, StorageUnavailable  # noqa: E402
+from uniradix.hicache.backends.file import FileBackend  # noqa: E402
+from uniradix.hicache.keys import witness_key  # noqa: E402
+from uniradix.hicache.objects import pack_object  # noqa: E402
+from uniradix.hicache.witness import Witness  # noqa: E402
+from uniradix.model import init_weights, preset, save_weights, weights_witness  # noqa: E402
+from uniradix.tree.component import page_floor  # noqa: E402
+
+CFG = preset("tiny-hybrid")
+NAME = "acme/tiny@v1"
+
+
+def named_engine(store, weights, **kw):
+    return Engine(CFG, weights=weights, page_size=4, max_total_tokens=2048, storage=store, prefetch_threshold=1,
+                  model_fingerprint=NAME, **kw)
+
+
+def first_turn(eng, seed=1):
+    rng = random.Random(seed)
+    r = greedy([rng.randrange(256) for _ in range(60)], 5)
+    eng.run([r])
+    check_exact(eng, r)
+    return r.input_ids + r.output_ids + [rng.randrange(256) for _ in range(7)]
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "wait_complete"])
+def test_same_name_other_weights_reads_nothing_and_answers_right(tmp_path, policy, caplog):
+    """The issue's case: two servers given one model_fingerprint and different weights.
+    The second finds the first's witness, refuses L3 (no read, no write), says so once
+    with the namespace and both witnesses, counts it, and answers as a cache-off engine."""
+    mine, other = init_weights(CFG), init_weights(CFG.with_(seed=9))
+    a = named_engine(FileBackend(str(tmp_path)), mine)
+    nxt = first_turn(a)
+    assert a.stats()["storage_saved_objects"] > 0 and a.stats()["storage_refused"] == 0
+    b = named_engine(FileBackend(str(tmp_path)), other, hicache_storage_prefetch_policy=policy)
+    with caplog.at_level(logging.ERROR, logger="uniradix.hicache"):
+        rs = [greedy(nxt, 6), greedy(nxt[:40] + [1, 2, 3], 4)]
+        b.run(rs)
+    off = Engine(CFG, weights=other, page_size=4, max_total_tokens=2048, disable_radix_cache=True)
+    for r in rs:
+        check_exact(b, r)
+        assert r.metrics.storage_tokens == 0
+        assert r.output_ids == off.generate(r.input_ids, max_new_tokens=len(r.output_ids)).output_ids
+    s = b.stats()
+    assert s["storage_refused"] == 1 and s["storage_witness_mismatch"] == 1
+    assert s["storage_loads"] == 0 and s["storage_saved_objects"] == 0
+    assert s["storage"]["witness"]["state"] == "refused"
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, errors
+    assert NAME in errors[0] and weights_witness(mine) in errors[0] and weights_witness(other) in errors[0]
+    # the first engine still trusts its namespace and reuses from it
+    c = named_engine(FileBackend(str(tmp_path)), mine)
+    r = greedy(nxt, 3)
+    c.run([r])
+    check_exact(c, r)
+    assert r.metrics.storage_tokens > 0 and c.stats()["storage_refused"] == 0
+    for e in (a, b, c):
+        e.close()
+
+
+def test_same_weights_in_another_layout_still_share(tmp_path):
+    """The override stays useful: the same tensors from a safetensors file, or handed
+    in memory as a copy, give the same witness and share the namespace."""
+    mine = init_weights(CFG)
+    path = tmp_path / "w.safetensors"
+    save_weights(mine, str(path))
+    store = tmp_path / "l3"
+    a = named_engine(FileBackend(str(store)), str(path))
+    nxt = first_turn(a, seed=2)
+    copy = {k: v for k, v in mine.items()}
+    copy["layers"] = [{n: t.clone() for n, t in lw.items()} for lw in mine["layers"]]
+    b = named_engine(FileBackend(str(store)), copy)
+    r = greedy(nxt, 4)
+    b.run([r])
+    check_exact(b, r)
+    assert r.metrics.storage_tokens == page_floor(len(nxt) - 8, 4)
+    assert b.stats()["storage_refused"] == 0 and b.stats()["storage"]["witness"]["state"] == "trusted"
+
+
+def test_a_sharded_checkpoint_shares_with_the_single_file_one(tmp_path):
+    """A Hugging Face checkpoint saved whole and the same one saved as shards: one
+    witness, so under one model_fingerprint the second reuses the first's L3 data."""
+    pytest.importorskip("transformers")
+    hf = str(Path(__file__).resolve().parents[1] / "model" / "hf")
+    sys.path.insert(0, hf)
+    from harness import make_tiny
+    from transformers import AutoModelForCausalLM
+
+    whole = make_tiny("qwen3", str(tmp_path / "whole"))
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(whole).save_pretrained(str(sharded), max_shard_size="100KB")
+    import shutil
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (Path(whole) / f).exists():
+            shutil.copy(Path(whole) / f, sharded / f)
+    assert (sharded / "model.safetensors.index.json").exists()
+    store = str(tmp_path / "l3")
+
+    def eng(path):
+        return Engine(path, page_size=4, max_total_tokens=2048, storage=FileBackend(store), prefetch_threshold=1,
+                      model_fingerprint="acme/qwen3-tiny")
+
+    a = eng(whole)
+    rng = random.Random(3)
+    r1 = greedy([rng.randrange(8, 500) for _ in range(48)], 4)
+    a.run([r1])
+    b = eng(str(sharded))
+    assert b.storage.witness.mine == a.storage.witness.mine
+    r = greedy(r1.input_ids + r1.output_ids + [9, 10, 11], 3)
+    b.run([r])
+    assert r.metrics.storage_tokens > 0 and b.stats()["storage_refused"] == 0
+    assert r.output_ids == a.generate(r.input_ids, max_new_tokens=3).output_ids
+
+
+def test_without_the_override_the_witness_is_checked_too(tmp_path):
+    """Cheap and harmless: an engine named by its weights' digest writes and agrees
+    with its witness like any other."""
+    a = Engine("tiny-hybrid", page_size=4, max_total_tokens=2048, storage=FileBackend(str(tmp_path)),
+               prefetch_threshold=1)
+    nxt = first_turn(a, seed=4)
+    assert a.stats()["storage"]["witness"]["state"] == "trusted"
+    assert (tmp_path / a.storage.witness.key).is_file()
+    b = Engine("tiny-hybrid", page_size=4, max_total_tokens=2048, storage=FileBackend(str(tmp_path)),
+               prefetch_threshold=1)
+    r = greedy(nxt, 3)
+    b.run([r])
+    assert r.metrics.storage_tokens > 0
+
+
+class Flaky(FileBackend):
+    """A file store that is unreachable while `down` is set."""
+
+    down = True
+
+    def _gate(self):
+        if self.down:
+            raise StorageUnavailable("file backend: down for the test")
+
+    def batch_get(self, keys):
+        self._gate()
+        return super().batch_get(keys)
+
+    def batch_exists(self, keys):
+        self._gate()
+        return super().batch_exists(keys)
+
+    def batch_contains(self, keys):
+        self._gate()
+        return super().batch_contains(keys)
+
+
+def test_a_store_down_at_start_is_checked_when_it_answers(tmp_path):
+    """Start-up asks nothing of the store; while it is down every read and write fails
+    (counted) and nothing is trusted; once it answers the witness is written and L3 works."""
+    store = Flaky(str(tmp_path))
+    a = named_engine(store, init_weights(CFG))   # no store call here
+    nxt = first_turn(a, seed=5)
+    s = a.stats()
+    assert s["storage_errors"] >= 1 and s["storage_saved_objects"] == 0
+    assert s["storage"]["witness"]["state"] == "unchecked" and s["storage_refused"] == 0
+    store.down = False
+    r = greedy(nxt, 3)
+    a.run([r])
+    assert a.stats()["storage_saved_objects"] > 0 and a.storage.witness.state == "trusted"
+    b = named_engine(FileBackend(str(tmp_path)), init_weights(CFG))
+    r2 = greedy(nxt + [4, 4, 4, 4], 3)
+    b.run([r2])
+    check_exact(b, r2)
+    assert r2.metrics.storage_tokens > 0
+
+
+@pytest.mark.parametrize("atomic", [True, False])
+def test_engines_starting_at_once_agree_on_one_witness(tmp_path, atomic):
+    """Eight engines with two sets of weights race for an empty namespace: exactly the
+    ones whose weights match the stored witness trust it, whatever the interleaving.
+    A backend without an atomic set-if-absent (the base class's default: a check, then
+    a set) can let two writers each read their own back; the next check (every
+    RECHECK_S seconds; here at once) settles it the same way."""
+    from uniradix.hicache.storage import StorageBackend
+    ns = StorageNamespace.for_model(NAME, 4)
+
+    class NotAtomic(FileBackend):
+        set_if_absent = StorageBackend.set_if_absent
+
+    cls = FileBackend if atomic else NotAtomic
+    barrier = threading.Barrier(8)
+    witnesses = [Witness(cls(str(tmp_path)), ns, "w-even" if i % 2 == 0 else "w-odd") for i in range(8)]
+    verdicts = [None] * 8
+
+    def start(i):
+        barrier.wait(30)
+        verdicts[i] = witnesses[i].allows()
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if not atomic:
+        for w in witnesses:
+            w.recheck_s = 0.0
+        verdicts = [w.allows() for w in witnesses]
+    stored = FileBackend(str(tmp_path)).batch_get([witness_key(ns)])[0]
+    winner = "w-even" if b"w-even" in stored else "w-odd"
+    for w, ok in zip(witnesses, verdicts):
+        if w.mine != winner:   # safety: nobody trusts a namespace that holds other weights
+            assert ok is False and w.refused
+        elif atomic:           # and with an atomic backend, every engine whose weights match trusts it
+            assert ok is True and not w.refused
+    if atomic:
+        assert sum(w.backend.stats()["bytes_written"] > 0 for w in witnesses) == 1
+
+
+def test_a_namespace_claimed_by_other_weights_later_is_noticed(tmp_path):
+    """The store was emptied and other weights wrote their witness: the trusting engine
+    reads it again (here at once: recheck_s 0) before its next read or write and stops."""
+    a = named_engine(FileBackend(str(tmp_path)), init_weights(CFG))
+    nxt = first_turn(a, seed=6)
+    a.storage.witness.recheck_s = 0.0
+    FileBackend(str(tmp_path)).clear()
+    intruder = Witness(FileBackend(str(tmp_path)), a.storage.store.namespace, "w-of-other-weights")
+    assert intruder.allows()
+    saved = a.stats()["storage_saved_objects"]
+    r = greedy(nxt, 3)
+    a.run([r])
+    check_exact(a, r)
+    s = a.stats()
+    assert r.metrics.storage_tokens == 0 and s["storage_refused"] == 1 and s["storage_saved_objects"] == saved
+
+
+def test_a_reconnect_asks_again(tmp_path):
+    """A backend that reconnected (its `generation` changed) may face an emptied store
+    that others claimed since: the witness is read again at once."""
+    ns = StorageNamespace.for_model(NAME, 4)
+    b = FileBackend(str(tmp_path))
+    b.generation = 0
+    w = Witness(b, ns, "w-mine")
+    assert w.allows()
+    b.clear()
+    assert Witness(FileBackend(str(tmp_path)), ns, "w-other").allows()
+    assert w.allows()      # within RECHECK_S, same connection: still trusted
+    b.generation = 1       # reconnected
+    assert not w.allows() and w.refused and w.theirs == "w-other"
+
+
+def test_a_damaged_witness_is_replaced(tmp_path):
+    ns = StorageNamespace.for_model(NAME, 4)
+    b = FileBackend(str(tmp_path))
+    key = witness_key(ns)
+    assert b.batch_set([key], [pack_object(key, b"w-mine", ns.seed())[:-2]]) == [True]   # cut short
+    w = Witness(b, ns, "w-mine")
+    assert w.allows() and w.state == "trusted"
+    assert Witness(FileBackend(str(tmp_path)), ns, "w-mine").allows()
+
+
+def test_witness_keys_follow_the_namespace_and_the_secret():
+    ns = StorageNamespace.for_model(NAME, 4)
+    k = witness_key(ns)
+    assert k.endswith(".witness") and witness_key(ns.with_salt("tenant")) == k   # one per model, every tenant
+    assert witness_key(StorageNamespace.for_model(NAME, 8)) != k
+    assert witness_key(StorageNamespace.for_model("other", 4)) != k
+    assert len({k, witness_key(ns, b"s1"), witness_key(ns, b"s2")}) == 3
+
+
+def test_metrics_say_l3_is_refused(tmp_path):
+    from uniradix.server.metrics import ServerMetrics
+    a = named_engine(FileBackend(str(tmp_path)), init_weights(CFG))
+    nxt = first_turn(a, seed=7)
+    b = named_engine(FileBackend(str(tmp_path)), init_weights(CFG.with_(seed=3)))
+    b.run([greedy(nxt, 2)])
+    for eng, refused in ((a, 0), (b, 1)):
+        text = ServerMetrics().render({"engine": eng.stats(), "output_tokens": 0, "sessions": 0}).decode()
+        assert f"uniradix_storage_refused {float(refused)}" in text
+        assert f"uniradix_storage_witness_mismatches_total {float(refused)}" in text
