@@ -53,6 +53,18 @@ def test_chat_and_batches_are_refused_too(srv):
     assert srv.metrics()["uniradix_prompt_tokens_total"] == 0  # nothing of a refused batch ran
 
 
+def test_chat_names_the_count_field_the_client_sent(srv):
+    """OpenAI's newer max_completion_tokens wins over max_tokens; the refusal names it."""
+    long = "x" * 40
+    for body, field in (({"max_completion_tokens": 40}, "max_completion_tokens"),
+                        ({"max_completion_tokens": 40, "max_tokens": 2}, "max_completion_tokens"),
+                        ({"max_completion_tokens": None, "max_tokens": 40}, "max_tokens")):
+        for stream in (False, True):
+            msg = refused(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": long}],
+                                                        "stream": stream, **body}, f"+ 40 {field} =", f"{CTX} tokens")
+            assert "max_new_tokens" not in msg
+
+
 def test_without_a_count_the_room_left_is_used(srv):
     code, out, _ = srv.post("/v1/completions", {"prompt": ids(60), "temperature": 0})
     assert code == 200 and out["usage"]["completion_tokens"] == 4 and out["choices"][0]["finish_reason"] == "length"

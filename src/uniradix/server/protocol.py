@@ -333,7 +333,13 @@ def parse_chat(body, eos: tuple[int, ...]) -> tuple[list[dict], SamplingParams, 
     rf = body.get("response_format")
     if rf is not None:
         want(isinstance(rf, dict) and rf.get("type") == "text", "response_format", '{"type": "text"}', rf)
-    mt, names = body.get("max_completion_tokens"), {**OPENAI_NAMES, "max_new_tokens": "max_completion_tokens"}
-    if mt is None:
-        mt, names = body.get("max_tokens"), OPENAI_NAMES
-    return out, _openai_sampling(body, eos, mt, CHAT_MAX_TOKENS, names), stream, usage, sid
+    field = chat_count_field(body)
+    return (out, _openai_sampling(body, eos, body.get(field), CHAT_MAX_TOKENS,
+                                  {**OPENAI_NAMES, "max_new_tokens": field}), stream, usage, sid)
+
+
+def chat_count_field(body: dict) -> str:
+    """Which field a chat request's count of new tokens comes from: OpenAI's newer
+    `max_completion_tokens` where given, else the older `max_tokens` (what any message
+    about the count names)."""
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine import Request
 from .jobs import Jobs, check_outcome, new_id, openai_finish, usage
-from .protocol import Job, parse_chat, parse_completion
+from .protocol import Job, chat_count_field, parse_chat, parse_completion
 
 
 def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
@@ -54,7 +54,8 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
         messages, sampling, stream, include_usage, sid = parse_chat(body, jobs.eos())
         ids = await asyncio.to_thread(chat_prompt, jobs.tokenizer, messages)
         job = Job(Request(input_ids=ids, sampling=sampling, session_id=sid), sampling.stop)
-        return await _respond(request, jobs, [job], stream, include_usage, "chat.completion", name, CHAT_NAMES)
+        names = {**CHAT_NAMES, "max_new_tokens": chat_count_field(body)}
+        return await _respond(request, jobs, [job], stream, include_usage, "chat.completion", name, names)
 
 
 async def _respond(request, jobs: Jobs, batch: list[Job], stream: bool, include_usage: bool, kind: str, name: str,

@@ -200,6 +200,13 @@ FORMS = {
                                                         "original_max_position_embeddings": 8192}),
     "gemma3 rope_parameters with a null kind": {**GEMMA3_CURRENT, "rope_parameters": {
         F: None, S: {"rope_type": "default", "rope_theta": 20000.0}}},
+    # transformers' YaRN reads `truncate` from the top of rope_parameters, nested by kind
+    # here: it truncates whatever the full layers' setup says (the inverse frequencies differ)
+    "gemma3 rope_scaling yarn, truncate false": gemma3_1b(rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192, "truncate": False}),
+    "gemma3 nested yarn, truncate false": {**GEMMA3_CURRENT, "rope_parameters": {
+        F: {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6, "original_max_position_embeddings": 512,
+            "truncate": False}, S: {"rope_type": "default", "rope_theta": 1e4}}},
     # Qwen3
     "qwen3-8b (rope_theta, no sliding)": qwen3_8b(),
     "qwen3 yarn rope_scaling (long context)": qwen3_8b(rope_scaling={"rope_type": "yarn", "factor": 4.0,
@@ -371,6 +378,9 @@ REFUSED = [
         F: {"rope_type": "default", "partial_rotary_factor": 0.5}, S: {"rope_type": "default"}}},
      "rope_parameters.full_attention.partial_rotary_factor"),
     ("linear RoPE without a factor", gemma3_1b(rope_scaling={"rope_type": "linear"}), "rope_scaling.factor"),
+    ("rope_scaling not an object", gemma3_1b(rope_scaling="linear"), "rope_scaling"),
+    ("a kind's RoPE not an object", {**GEMMA3_CURRENT, "rope_parameters": {F: "yarn", S: {"rope_type": "default"}}},
+     "rope_parameters.full_attention"),
     ("unknown pattern character", nemotron_h_8b(hybrid_override_pattern="M-M*X-"), "hybrid_override_pattern"),
     ("a kind the family lacks", {**BARE, "model_type": "qwen3_next", "layer_types": [L, L, S, F] * 2},
      "layer_types"),

@@ -22,6 +22,7 @@ TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "mo
                  "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}
 #: the token ids a wrapper's own config gives for its text model
 _TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+_TIE = "tie_word_embeddings"
 
 
 @dataclass
@@ -67,14 +68,22 @@ def read_checkpoint(path: str, dtype: torch.dtype | None = None) -> Checkpoint:
 def text_config(config: dict) -> dict:
     """The text model's config: config.json itself, or a multimodal wrapper's
     `text_config` (its model_type, where it names none, and the wrapper's token ids, which
-    override the text config's as in transformers' generation defaults)."""
+    override the text config's as in transformers' generation defaults). Whether the head
+    is tied to the embedding is the wrapper's to say, as transformers reads it: the
+    wrapper's `tie_word_embeddings`, else its class's default (the text class's too, for
+    the wrappers served), never the text_config's."""
     if "text_config" not in config:
         return config
+    if not isinstance(config["text_config"] or {}, dict):
+        raise ValueError(f"config.json `text_config` must be an object, got {config['text_config']!r:.60}")
     text = dict(config["text_config"] or {})
     text.setdefault("model_type", config.get("model_type"))
     for k in _TOKEN_IDS:
         if config.get(k) is not None:
             text[k] = config[k]
+    text.pop(_TIE, None)
+    if config.get(_TIE) is not None:
+        text[_TIE] = config[_TIE]
     text["architectures"] = config.get("architectures", [])
     text["_wrapped_model_type"] = config.get("model_type")
     return text
@@ -89,22 +98,32 @@ def text_weight_name(name: str) -> str | None:
 
 
 def _json(path: str, required: bool = False) -> dict:
+    """A JSON object from `path` ({} where an optional file is absent); a file that is
+    not one is a ValueError naming it."""
     if not os.path.exists(path):
         if required:
             raise ValueError(f"{path} is missing")
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got a {type(data).__name__}")
+    return data
 
 
 def _load_safetensors(path: str, dtype, rename=None) -> tuple[dict, tuple]:
     """Every tensor (cast to `dtype` if floating point); `rename(name)`: the name to keep
     a tensor under, None to leave it unread. Where no model tensor would be kept (a
     wrapper whose file already uses the text-only names), every tensor is kept as named."""
-    from safetensors import safe_open
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        files = sorted(set(_json(index)["weight_map"].values()))
+        weight_map = _json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index} has no weight_map (tensor name -> shard file)")
+        files = sorted(set(weight_map.values()))
     elif os.path.exists(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -112,13 +131,13 @@ def _load_safetensors(path: str, dtype, rename=None) -> tuple[dict, tuple]:
     full = tuple(os.path.join(path, f) for f in files)
     names: dict = {}  # file -> {stored name: name kept}
     for f in full:
-        with safe_open(f, framework="pt") as sf:
+        with _open(f) as sf:
             names[f] = {n: rename(n) if rename else n for n in sf.keys()}
     if rename and not any(new and new.startswith("model.") for kept in names.values() for new in kept.values()):
         names = {f: {n: n for n in kept} for f, kept in names.items()}
     tensors: dict = {}
     for f in full:
-        with safe_open(f, framework="pt") as sf:
+        with _open(f) as sf:
             for name, new in names[f].items():
                 if new is None:
                     continue
@@ -127,3 +146,13 @@ def _load_safetensors(path: str, dtype, rename=None) -> tuple[dict, tuple]:
                 t = sf.get_tensor(name)
                 tensors[new] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
     return tensors, full
+
+
+def _open(file: str):
+    """A safetensors file opened for reading; one that is missing, cut short or not
+    safetensors at all is a ValueError naming it."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        return safe_open(file, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file} is not a readable safetensors file: {e}") from None

@@ -140,6 +140,13 @@ def single_rope(config: dict, default_theta: float, partial: float | None = None
     return rope_setup(params, key, config, partial_rotary)
 
 
+def rope_dict(value, key: str) -> dict:
+    """`value` if it is one RoPE setup (a JSON object), else refused naming `key`."""
+    if not isinstance(value, dict):
+        raise ConfigError(key, f"must be a RoPE setup (an object with rope_type, ...), got {value!r:.60}")
+    return value
+
+
 def rope_setup(params: dict, key: str, config: dict, partial_rotary: bool = True) -> dict:
     """A RoPE setup normalised (rope_type from `type`, YaRN's original length and factor
     filled as transformers fills them) and checked: a type or a value the forward cannot
@@ -180,4 +187,4 @@ def _positive(x) -> bool:
 
 __all__ = ["FULL", "SLIDING", "LINEAR", "MLP", "MOE", "HYBRID", "KIND_NAMES", "ROPE_TYPES", "ConfigError", "Layer",
            "with_defaults", "listed_kinds", "kind_name", "every_nth", "pattern_kinds", "layer_count", "single_rope",
-           "rope_setup"]
+           "rope_dict", "rope_setup"]

@@ -1,5 +1,6 @@
 """What every Hugging Face family shares: the reading of its config.json (defaults,
-legacy keys, layer kinds, windows and RoPE per layer: config_forms), the layer list
+legacy keys, layer kinds, windows and RoPE per layer: config_forms), the check at load
+that config.json describes the weights (expected_shapes), the layer list
 (which states each layer keeps, so the cache's components and pools), the forward
 skeleton (embed, one block per layer, final norm, head) over a Batch, and a no-cache
 oracle that runs the same forward over scratch pools. A family states how its config
@@ -8,6 +9,7 @@ recurrent layers keep)."""
 from __future__ import annotations
 
 import json
+import os
 
 import torch
 
@@ -25,6 +27,12 @@ LAYER_MARKERS = ("layer_types", "layers_block_type", "sliding_window_pattern", "
                  "hybrid_override_pattern", "attn_layer_indices", "attn_layer_period", "attn_layer_offset")
 #: where a config states its context, first found wins (transformers' name first)
 CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
+
+
+def config_source(path: str) -> str:
+    """Where a checkpoint's config came from, for errors: its config.json, or a GGUF
+    file's metadata (read into the same keys)."""
+    return f"{path}: GGUF metadata" if path.endswith(".gguf") and not os.path.isdir(path) else f"{path}: config.json"
 
 
 class HFModel(PagedModel):
@@ -57,7 +65,7 @@ class HFModel(PagedModel):
         try:
             self.config, self.layers = self.read_config(ckpt.config)
         except ConfigError as e:
-            raise ConfigError(e.key, e.why, f"{ckpt.path}: config.json") from None
+            raise ConfigError(e.key, e.why, config_source(ckpt.path)) from None
         self.kinds = [layer.kind for layer in self.layers]
         self.dtype = dtype
         self.weights = ckpt.tensors
@@ -68,6 +76,7 @@ class HFModel(PagedModel):
         # the attention shape, read once for the KV pools and the forward
         self.heads, self.kv_heads, self.head_dim = self.attention_shape(self.config)
         self.rope = self._rope_tables()
+        self.check_weights()
 
     # ------------------------------------------------------------------ config.json
     @classmethod
@@ -247,10 +256,66 @@ class HFModel(PagedModel):
         return self.forward(pools, [PagedInput(tokens, 0, pages, slot)])[0]
 
     # ------------------------------------------------------------------ weights
-    def tied_head(self, embed: str = "model.embed_tokens.weight") -> torch.Tensor:
-        """lm_head.weight, or the embedding where the checkpoint ties them."""
+    #: the token embedding's name in the checkpoint
+    embed_weight: str = "model.embed_tokens.weight"
+    #: q_proj rows per query head, in head dims (2 where q_proj also gives each head its
+    #: output gate, as in Qwen3-Next)
+    q_rows_per_head: int = 1
+
+    def attention_prefix(self, i: int) -> str:
+        """Where layer i's q/k/v/o projections live in the checkpoint."""
+        return f"model.layers.{i}.self_attn."
+
+    def expected_shapes(self) -> dict:
+        """{tensor name: (shape, the config keys that give it)} for the tensors whose shape
+        config.json determines: the embedding, the head, each attention layer's
+        projections and QK-norms. Families add their own (recurrent mixers)."""
+        c = self.config
+        V, D, H, KV, hd = c["vocab_size"], c["hidden_size"], self.heads, self.kv_heads, self.head_dim
+        out = {self.embed_weight: ((V, D), "vocab_size, hidden_size")}
+        if "lm_head.weight" in self.weights:
+            out["lm_head.weight"] = ((V, D), "vocab_size, hidden_size")
+        gate = " (x2: q and its gate)" if self.q_rows_per_head != 1 else ""
+        size = "head_dim" if c.get("head_dim") else "(hidden_size / num_attention_heads)"  # attention_shape's rule
+        for i in range(len(self.kinds)):
+            if self.spec(i) is None:
+                continue
+            p = self.attention_prefix(i)
+            out[p + "q_proj.weight"] = ((self.q_rows_per_head * H * hd, D),
+                                        f"num_attention_heads x {size}{gate}, hidden_size")
+            out[p + "k_proj.weight"] = ((KV * hd, D), f"num_key_value_heads x {size}, hidden_size")
+            out[p + "v_proj.weight"] = ((KV * hd, D), f"num_key_value_heads x {size}, hidden_size")
+            out[p + "o_proj.weight"] = ((D, H * hd), f"hidden_size, num_attention_heads x {size}")
+            for norm in ("q_norm.weight", "k_norm.weight"):
+                if p + norm in self.weights:
+                    out[p + norm] = ((hd,), size)
+        return out
+
+    def check_weights(self) -> None:
+        """Refuse at load a config.json that does not describe its weights (transformers
+        refuses such a checkpoint too): served anyway, a wrong head count fails every
+        request inside the forward, and a wrong hidden size or vocabulary computes another
+        model (Gemma scales its embedding by sqrt(hidden_size)) or indexes past the
+        embedding. And a config that unties the head from the embedding
+        (`tie_word_embeddings` false, the class's default for most families) needs the
+        head's own weights: transformers would start it from random values."""
+        where = config_source(self.ckpt.path)
+        for name, (shape, keys) in self.expected_shapes().items():
+            t = self.weights.get(name)
+            if t is None:
+                raise ValueError(f"{self.ckpt.path}: no tensor {name!r} in the checkpoint")
+            if tuple(t.shape) != tuple(shape):
+                raise ConfigError(keys, f"give {name} the shape {tuple(shape)}, the checkpoint's is "
+                                        f"{tuple(t.shape)}: the config does not describe these weights", where)
+        if "lm_head.weight" not in self.weights and not self.config.get("tie_word_embeddings"):
+            raise ConfigError("tie_word_embeddings", f"is {self.config.get('tie_word_embeddings')!r} (a head of "
+                                                     "its own), but the checkpoint has no lm_head.weight", where)
+
+    def tied_head(self, embed: str | None = None) -> torch.Tensor:
+        """lm_head.weight, or the embedding where the checkpoint ties them (check_weights
+        made sure the config allows it)."""
         head = self.weights.get("lm_head.weight")
-        return head if head is not None else self.w(embed)
+        return head if head is not None else self.w(embed or self.embed_weight)
 
     def w(self, name: str) -> torch.Tensor:
         try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .config_forms import FULL, SLIDING, ConfigError, every_nth, rope_setup
+from .config_forms import FULL, SLIDING, ConfigError, every_nth, rope_dict, rope_setup
 from .family import HFModel
 from .ops import apply_rope, paged_attention, rms_norm, rope_cos_sin
 
@@ -24,6 +24,7 @@ TEXT_DEFAULTS = {
     "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
     "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
     "final_logit_softcapping": None, "use_bidirectional_attention": False,
+    "tie_word_embeddings": True,
 }
 #: the RoPE bases where the config names none: full layers, sliding layers
 THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
@@ -59,13 +60,16 @@ class Gemma3(HFModel):
                                                  f"got {params!r:.80}")
         out = {}
         for kind in (FULL, SLIDING):
-            p = dict(params.get(kind) or {"rope_type": "default"})
             key = f"rope_parameters.{kind}"
+            p = dict(rope_dict(params.get(kind) or {"rope_type": "default"}, key))
             if kind == FULL and c.get("rope_scaling"):
-                p.update(c["rope_scaling"])
+                p.update(rope_dict(c["rope_scaling"], "rope_scaling"))
                 key = "rope_scaling"
             legacy = LEGACY_THETA[kind]
             p.setdefault("rope_theta", c[legacy] if legacy in c else THETA[kind])
+            # transformers' YaRN reads `truncate` from the top of rope_parameters, which is
+            # nested by kind here: it always truncates, whatever a kind's setup says
+            p.pop("truncate", None)
             out[kind] = rope_setup(p, key, c, partial_rotary=False)
         return out
 

@@ -46,7 +46,7 @@ DEFAULTS = {
     "num_hidden_layers": 36, "num_local_experts": 128, "vocab_size": 201088, "hidden_size": 2880,
     "intermediate_size": 2880, "head_dim": 64, "num_attention_heads": 64, "num_key_value_heads": 8,
     "sliding_window": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "num_experts_per_tok": 4,
-    "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+    "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "tie_word_embeddings": False,
 }
 #: GptOssConfig's RoPE where the config gives none: YaRN x32 over 4096 (theta: 150k)
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -69,6 +69,12 @@ class GptOss(HFModel):
     def read_rope(cls, c):
         rope = single_rope(c, cls.rope_theta_default, fallback=DEFAULT_ROPE, partial_rotary=False)
         return {FULL: rope, SLIDING: rope}
+
+    def expected_shapes(self):
+        out = super().expected_shapes()
+        for i in range(len(self.kinds)):
+            out[self.attention_prefix(i) + "sinks"] = ((self.heads,), "num_attention_heads")
+        return out
 
     def __init__(self, ckpt, dtype=torch.float32) -> None:
         super().__init__(ckpt, dtype)

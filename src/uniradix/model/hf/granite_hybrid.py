@@ -120,7 +120,7 @@ DEFAULTS = {
     "rms_norm_eps": 1e-6, "embedding_multiplier": 1.0, "logits_scaling": 1.0, "residual_multiplier": 1.0,
     "attention_multiplier": 1.0, "num_local_experts": 8, "num_experts_per_tok": 2, "position_embedding_type": None,
     "mamba_n_heads": 128, "mamba_n_groups": 1, "mamba_d_state": 256, "mamba_d_head": "auto", "mamba_d_conv": 4,
-    "mamba_expand": 2, "time_step_limit": (0.0, math.inf),
+    "mamba_expand": 2, "time_step_limit": (0.0, math.inf), "tie_word_embeddings": False,
 }
 
 

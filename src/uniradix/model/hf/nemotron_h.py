@@ -30,6 +30,7 @@ DEFAULTS = {
     "mamba_num_heads": 128, "mamba_head_dim": 64, "mamba_hidden_act": "silu", "n_groups": 8, "conv_kernel": 4,
     "expand": 2, "time_step_min": 0.001, "chunk_size": 128, "n_routed_experts": 8, "num_experts_per_tok": 2,
     "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "layer_norm_epsilon": 1e-5,
+    "tie_word_embeddings": False,
 }
 #: the legacy (and attribute_map) names NemotronHConfig still reads
 ALIASES = {"mamba_n_groups": "n_groups", "mamba_d_conv": "conv_kernel", "mamba_expand": "expand",
@@ -77,10 +78,21 @@ class NemotronH(HFModel):
         if c["mlp_hidden_act"] != "relu2":
             raise ConfigError("mlp_hidden_act", f"{c['mlp_hidden_act']!r} is not supported (relu2)")
 
+    @property
+    def root(self) -> str:
+        """The model's module path: NVIDIA's `backbone.` or `model.`."""
+        return "backbone." if self.has("backbone.embeddings.weight") else "model."
+
+    @property
+    def embed_weight(self) -> str:
+        return self.root + "embeddings.weight"
+
+    def attention_prefix(self, i):
+        return f"{self.root}layers.{i}.mixer."
+
     def __init__(self, ckpt, dtype=torch.float32) -> None:
         super().__init__(ckpt, dtype)
         c = self.config
-        self.root = "backbone." if self.has("backbone.embeddings.weight") else "model."
         self.eps = c["layer_norm_epsilon"]
         self.scale = self.head_dim ** -0.5
         # transformers' mixer clamps dt to [time_step_min, inf), whatever time_step_limit says
@@ -170,7 +182,7 @@ class NemotronH(HFModel):
         return out + self.mlp(p + "shared_experts.", h)
 
     def head(self, x):
-        lm_head = self.tied_head(self.root + "embeddings.weight")
+        lm_head = self.tied_head()
         return linear(rms_norm(x, self.w(self.root + "norm_f.weight"), self.eps), lm_head)
 
 

@@ -18,7 +18,7 @@ DEFAULTS = {
     "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016, "num_hidden_layers": 32,
     "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128, "hidden_act": "silu",
     "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "use_sliding_window": False, "sliding_window": 4096,
-    "max_window_layers": 28,
+    "max_window_layers": 28, "tie_word_embeddings": False,
 }
 
 

@@ -36,7 +36,7 @@ from .ops import FEW_TOKENS, apply_rope, causal_conv, paged_attention, rms_norm,
 
 _COMMON = {"hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 256,
            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-           "linear_num_key_heads": 16, "linear_num_value_heads": 32}
+           "linear_num_key_heads": 16, "linear_num_value_heads": 32, "tie_word_embeddings": False}
 #: the config classes' defaults (transformers 5.24) for the keys read here
 NEXT_DEFAULTS = {**_COMMON, "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
                  "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
@@ -55,6 +55,7 @@ class Qwen3Next(HFModel):
     layer_kinds = (LINEAR, FULL)
     pattern_keys = ("full_attention_interval",)
     partial_rotary_default = 0.25  # the classes' default where the config names none
+    q_rows_per_head = 2  # q_proj gives each head [q | gate]
 
     @classmethod
     def derive_kinds(cls, c):
@@ -98,6 +99,33 @@ class Qwen3Next(HFModel):
             self.weights[p + "gate_up_proj"] = torch.stack(
                 [torch.cat((part(e, "gate_proj"), part(e, "up_proj"))) for e in range(E)])
             self.weights[p + "down_proj"] = torch.stack([part(e, "down_proj") for e in range(E)])
+
+    def expected_shapes(self):
+        """Beside the attention layers', each GDN layer's projections, conv, decay and norm."""
+        out = super().expected_shapes()
+        c = self.config
+        D, Hk, Hv = c["hidden_size"], c["linear_num_key_heads"], c["linear_num_value_heads"]
+        dk, dv, K = c["linear_key_head_dim"], c["linear_value_head_dim"], c["linear_conv_kernel_dim"]
+        conv = 2 * Hk * dk + Hv * dv
+        heads = "linear_num_key_heads x linear_key_head_dim x 2 + linear_num_value_heads x linear_value_head_dim"
+        for i, kind in enumerate(self.kinds):
+            if kind != LINEAR:
+                continue
+            p = f"model.layers.{i}.linear_attn."
+            if self.has(p + "in_proj_qkvz.weight"):
+                out[p + "in_proj_qkvz.weight"] = ((conv + Hv * dv, D), f"{heads} + the z heads, hidden_size")
+                out[p + "in_proj_ba.weight"] = ((2 * Hv, D), "linear_num_value_heads x 2, hidden_size")
+            else:
+                out[p + "in_proj_qkv.weight"] = ((conv, D), f"{heads}, hidden_size")
+                out[p + "in_proj_z.weight"] = ((Hv * dv, D), "linear_num_value_heads x linear_value_head_dim, "
+                                                             "hidden_size")
+                out[p + "in_proj_b.weight"] = out[p + "in_proj_a.weight"] = ((Hv, D), "linear_num_value_heads, "
+                                                                                    "hidden_size")
+            out[p + "conv1d.weight"] = ((conv, 1, K), f"{heads}, linear_conv_kernel_dim")
+            out[p + "A_log"] = out[p + "dt_bias"] = ((Hv,), "linear_num_value_heads")
+            out[p + "norm.weight"] = ((dv,), "linear_value_head_dim")
+            out[p + "out_proj.weight"] = ((D, Hv * dv), "hidden_size, linear_num_value_heads x linear_value_head_dim")
+        return out
 
     # ------------------------------------------------------------------ layer list
     def recurrent_shape(self, i: int) -> RecurrentShape:

@@ -1,0 +1,95 @@
+"""A checkpoint directory whose files cannot be read is refused at load with the file
+named, a ValueError that `uniradix run` and `uniradix serve` turn into one line and
+exit 2: a shard the index names that is missing, cut short or not safetensors, an
+index without its weight_map, a config.json that is not JSON or not an object, a
+`text_config` that is not an object. Before, half of these were tracebacks (KeyError,
+SafetensorError, AttributeError) and the JSON errors did not say which file."""
+import json
+import os
+import shutil
+
+import pytest
+from harness import make_tiny
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """The tiny Qwen3 in three shards with their index."""
+    from safetensors.torch import load_file, save_file
+    path = make_tiny("qwen3", str(tmp_path_factory.mktemp("sharded") / "ckpt"))
+    tensors = load_file(f"{path}/model.safetensors")
+    os.remove(f"{path}/model.safetensors")
+    names, weight_map = sorted(tensors), {}
+    for i in range(3):
+        shard = f"model-{i + 1:05d}-of-00003.safetensors"
+        save_file({n: tensors[n] for n in names[i::3]}, f"{path}/{shard}", metadata={"format": "pt"})
+        weight_map.update({n: shard for n in names[i::3]})
+    with open(f"{path}/model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return path
+
+
+SHARD = "model-00002-of-00003.safetensors"
+
+
+def cut_short(p):
+    with open(f"{p}/{SHARD}", "rb") as f:
+        data = f.read()
+    with open(f"{p}/{SHARD}", "wb") as f:
+        f.write(data[:len(data) // 2])
+
+
+def write(name, text):
+    def put(p):
+        with open(f"{p}/{name}", "w") as f:
+            f.write(text)
+    return put
+
+
+def text_config(value):
+    def put(p):
+        with open(f"{p}/config.json") as f:
+            config = json.load(f)
+        with open(f"{p}/config.json", "w") as f:
+            json.dump({**config, "text_config": value}, f)
+    return put
+
+
+BROKEN = {
+    "a missing shard": (lambda p: os.remove(f"{p}/{SHARD}"), SHARD),
+    "a shard cut short": (cut_short, SHARD),
+    "a shard that is not safetensors": (write(SHARD, "not safetensors"), SHARD),
+    "an index without weight_map": (write("model.safetensors.index.json", "{}"), "model.safetensors.index.json"),
+    "an index that is not JSON": (write("model.safetensors.index.json", "{oops"), "model.safetensors.index.json"),
+    "config.json not JSON": (write("config.json", "{oops"), "config.json"),
+    "config.json a list": (write("config.json", "[]"), "config.json"),
+    "text_config not an object": (text_config("gemma3_text"), "text_config"),
+}
+
+
+@pytest.mark.parametrize("why", list(BROKEN))
+def test_an_unreadable_checkpoint_is_refused_naming_the_file(sharded, tmp_path, why):
+    from uniradix.model.hf import load_checkpoint
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(sharded, path)
+    breakit, named = BROKEN[why]
+    breakit(path)
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        load_checkpoint(path)
+
+
+def test_uniradix_run_says_it_in_one_line(sharded, tmp_path, capsys):
+    from uniradix.cli import main
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(sharded, path)
+    write(SHARD, "not safetensors")(path)
+    assert main(["run", "--model-path", path, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and f"{path}/{SHARD} is not a readable safetensors file" in err, err
+
+
+def test_the_sharded_checkpoint_itself_loads(sharded):
+    from uniradix.model.hf import load_checkpoint
+    assert len(load_checkpoint(sharded).files) == 3
