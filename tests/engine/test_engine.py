@@ -406,6 +406,23 @@ def test_text_input_goes_through_the_byte_tokenizer(make_engine):
     assert g.input_ids == r.input_ids and g.output_ids == r.output_ids
 
 
+def test_a_tokenizer_past_the_vocabulary_is_refused_at_submit(make_engine):
+    """Text tokenized into ids the model has no embedding for (a checkpoint whose
+    tokenizer does not match its config) is a ValueError at submit, never a failure
+    inside a step."""
+    eng = make_engine("tiny-hybrid")
+    V = eng.model.vocab_size
+
+    class Wide:
+        def encode(self, text):
+            return [5, V, V + 7, 6]
+
+    eng.tokenizer = Wide()
+    with pytest.raises(ValueError, match=rf"token ids \[{V}, {V + 7}\] past the model's vocabulary of {V}"):
+        eng.submit(Request(text="hello", sampling=SamplingParams(max_new_tokens=2)))
+    assert not eng.waiting and not eng.running
+
+
 def test_text_prompts_share_prefixes(make_engine):
     eng = make_engine("full-only", page_size=4)
     system = "You are a helpful assistant. Answer briefly.\n"

@@ -123,6 +123,11 @@ class Engine(Admission, Batching):
         ids = req.check(self.model.vocab_size)
         if req.text is not None:
             ids = self.tokenizer.encode(req.text)
+            if ids and max(ids) >= self.model.vocab_size:  # a tokenizer that does not match the model
+                bad = sorted({t for t in ids if t >= self.model.vocab_size})[:5]
+                raise ValueError(f"request {req.rid}: the tokenizer gave token ids {bad} past the model's "
+                                 f"vocabulary of {self.model.vocab_size}: the checkpoint's tokenizer does not "
+                                 f"match its config")
         if not ids:
             raise ValueError(f"request {req.rid} has an empty prompt")
         req.input_ids = ids
