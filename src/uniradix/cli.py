@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -179,7 +180,30 @@ def main(argv=None) -> int:
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
     a = p.parse_args(argv)
-    return a.func(a)
+    from .stderr_relay import masked_stderr
+    with masked_stderr():  # what native libraries print is masked too (uniradix.redact)
+        code = a.func(a)
+    if a.cmd == "serve":
+        _end_past_stuck_storage_calls(code)
+    return code
+
+
+def _end_past_stuck_storage_calls(code: int) -> None:
+    """A server whose store stopped answering can end with a call still inside the
+    store's native client (Mooncake's): the interpreter's teardown would then run that
+    library's under it, which waits for the library's own timeouts (tens of seconds)
+    and can crash (SIGSEGV) instead of exiting with the server's status. So the process
+    ends here, its output flushed, leaving those calls where they are."""
+    from .hicache.io_threads import calls_in_progress
+    n = calls_in_progress()
+    if not n:
+        return
+    logging.getLogger("uniradix.server").warning("%d L3 call(s) still stuck in the store at exit: "
+                                                 "not waited for", n)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

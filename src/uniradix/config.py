@@ -16,9 +16,10 @@ import argparse
 import json
 import math
 import numbers
+import os
 from dataclasses import MISSING, dataclass, field, fields, replace
 
-from .redact import HIDDEN, redact_value
+from .redact import HIDDEN, declare_plain, redact_value
 
 # ---------------------------------------------------------------------------- checks
 # A check returns None when the value is fine, else what it should be ("an int >= 1").
@@ -103,7 +104,7 @@ def check_fields(cfg) -> None:
         check = md.get("check")
         want = check(v) if check is not None else None
         if want:
-            shown = HIDDEN if md.get("secret") else repr(redact_value(f.name, v))
+            shown = HIDDEN if md.get("secret") else repr(redact_value("", v))  # declared: not by name
             raise ValueError(f"{_label(f)} must be {want}, got {shown}")
         # numpy scalars and the like become plain Python numbers (the tree's arithmetic is hot)
         if isinstance(v, numbers.Integral) and not isinstance(v, bool) and type(v) is not int:
@@ -118,13 +119,15 @@ class Settings:
     def __post_init__(self) -> None:
         check_fields(self)
         self.check()
+        declare_plain_settings(type(self))
 
     def check(self) -> None:
         """Rules that tie several settings together."""
 
     def as_dict(self) -> dict:
-        """The settings as a server reports them: secrets hidden, and the secrets inside
-        the extra-config JSON and any other text too (uniradix.redact)."""
+        """The settings as a server reports them: those declared secret hidden, and the
+        secrets inside the extra-config JSON and any other text masked (uniradix.redact;
+        a declared setting is shown by what it declares, not judged by its name)."""
         out = {}
         for f in fields(self):
             v = getattr(self, f.name)
@@ -133,7 +136,7 @@ class Settings:
             elif f.name == "hicache_storage_backend_extra_config" and v:
                 v = redact_extra_config(v)
             else:
-                v = redact_value(f.name, v)
+                v = redact_value("", v)
             out[f.name] = v
         return out
 
@@ -194,6 +197,10 @@ class HostTierConfig(Settings):
         return self.write_through_threshold if self.hicache_write_policy == "write_through_selective" else 0
 
 
+#: the environment variable that holds the L3 objects' MAC key when auth_secret is not set
+L3_SECRET_ENV = "UNIRADIX_L3_SECRET"
+
+
 @dataclass(frozen=True)
 class StorageConfig(Settings):
     """Shared storage (L3): the backend, how long a request waits for a read, and what
@@ -228,6 +235,14 @@ class StorageConfig(Settings):
     auth_secret: str | None = setting(None, "key of the objects' MAC (default: $UNIRADIX_L3_SECRET)",
                                       check=optional(text), extra=True, secret=True)
     rank: int = setting(0, "tensor-parallel rank (part of the namespace)", check=count(0), flag=False)
+
+    def as_dict(self) -> dict:
+        """As Settings.as_dict; a secret taken from $UNIRADIX_L3_SECRET is in force too,
+        and shown as such (hidden): `null` would tell an operator the objects are unkeyed."""
+        out = super().as_dict()
+        if self.hicache_storage_backend and self.auth_secret is None and os.environ.get(L3_SECRET_ENV):
+            out["auth_secret"] = f"{HIDDEN} (from ${L3_SECRET_ENV})"
+        return out
 
     @classmethod
     def tier_keys(cls) -> tuple[str, ...]:
@@ -382,11 +397,27 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
                         scheduler=from_args(SchedulerConfig, ns))
 
 
+_DECLARED: set = set()
+
+
+def declare_plain_settings(cls) -> None:
+    """The settings of `cls` that are not secrets are shown under their names wherever
+    text is masked (uniradix.redact.declare_plain), once per class."""
+    if cls not in _DECLARED:
+        _DECLARED.add(cls)
+        declare_plain(f.name for f in fields(cls) if "help" in f.metadata and not f.metadata.get("secret"))
+
+
+for _cls in (CacheConfig, HostTierConfig, StorageConfig, SchedulerConfig, ModelSettings):
+    declare_plain_settings(_cls)
+
+
 def redact_extra_config(text_value: str) -> str:
     """The extra config as JSON with the values of keys that name a secret hidden and
     the secrets inside its texts (URL passwords, secret query keys) masked, by
-    uniradix.redact's one rule; unparseable text is hidden whole (an @file is shown as
-    given)."""
+    uniradix.redact's one rule; the tier's own keys are shown by what StorageConfig
+    declares of them (auth_secret hidden, prefetch_timeout_per_ki_token shown);
+    unparseable text is hidden whole (an @file is shown as given)."""
     if text_value.startswith("@"):
         return text_value
     try:
@@ -395,7 +426,9 @@ def redact_extra_config(text_value: str) -> str:
         return HIDDEN
     if not isinstance(cfg, dict):
         return HIDDEN
-    return json.dumps(redact_value("", cfg))
+    declared = {f.name: bool(f.metadata.get("secret")) for f in fields(StorageConfig) if f.metadata.get("extra")}
+    return json.dumps({k: (HIDDEN if declared[k] and v not in (None, "") else redact_value("", v)) if k in declared
+                       else redact_value(k, v) for k, v in cfg.items()})
 
 
 def parse_extra_config(text_value: str | dict | None) -> dict:

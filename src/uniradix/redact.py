@@ -7,11 +7,20 @@ lines, log records and error messages. One rule says which names hold a secret
 - the value of every key=value pair whose key names a secret, in a query string or a
   DSN (`?password=`, `&pw=`, `;AuthToken=`), in any case;
 - a quoted key naming a secret with its quoted value (`"password": "x"`,
-  `password='x'`), as JSON text and Python reprs print them.
+  `password='x'`, `'password': b'x'`), as JSON text and Python reprs print them;
+- a number under a quoted key naming a secret (`"pin_token": 1234`).
+
+A name whose last word says what kind of setting it is (`key_prefix`, `password_file`,
+`auth_mode`, `token_ttl`) names no secret: a path, a prefix or a mode is what an
+operator needs to see (a secret inside its value is still masked). A declared setting
+is judged by its declaration, not its words (`declare_plain`: uniradix.config registers
+those that hold no secret, so `prefetch_timeout_per_ki_token` is shown).
 
 `redact_value` applies the same through JSON-like values and hides whole the value of
-every key that names a secret. `redact_logs` puts `redact` on every log handler, so a
-message or a traceback that echoes a URL is masked wherever it is printed.
+every key that names a secret (a number too: a PIN, a password of digits).
+`redact_logs` puts `redact` on every log handler, so a message or a traceback that
+echoes a URL is masked wherever it is printed; uniradix.stderr_relay masks what native
+code writes to standard error.
 
 Only the standard library: every layer may import this."""
 from __future__ import annotations
@@ -25,8 +34,15 @@ HIDDEN = "<hidden>"   # what replaces a whole value
 #: a name holds a secret when one of its words is one of these...
 _SECRET_WORDS = frozenset(("pw", "pwd", "pass", "passphrase", "token", "key", "auth", "sig", "signature",
                            "cookie", "psk", "sas"))
-#: ...or when it contains one of these anywhere
+#: ...or when it contains one of these anywhere...
 _SECRET_PARTS = ("passw", "secret", "credential", "apikey", "authoriz", "private")
+#: ...unless its last word is one of these: it names where or what kind, not the secret
+_QUALIFIERS = frozenset(("prefix", "suffix", "path", "file", "filename", "dir", "directory", "name", "type",
+                         "mode", "env", "format", "size", "len", "length", "count", "limit", "timeout", "ttl",
+                         "interval"))
+
+#: names declared as settings that hold no secret (declare_plain)
+_DECLARED_PLAIN: set[str] = set()
 
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _NOT_ALNUM = re.compile(r"[^a-z0-9]+")
@@ -34,16 +50,33 @@ _NOT_ALNUM = re.compile(r"[^a-z0-9]+")
 _USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)([^\s/?#]*)@")
 #: key=value, unquoted (a query string, a DSN); the value ends before a quote, escaped or not
 _PAIR = re.compile(r"""([A-Za-z0-9_.\-]+)=((?:[^&;#\s,'"\\)\]}]|\\(?!['"]))+)""")
-#: 'key': 'value', "key"="value", key='value' (JSON text, Python reprs)
-_QUOTED = re.compile(r"""(['"]?)([A-Za-z0-9_.\-]+)\1(\s*[:=]\s*)(['"])((?:\\.|(?!\4).)*)\4""")
+#: 'key': 'value', "key"="value", key='value', 'key': b'value' (JSON text, Python reprs)
+_QUOTED = re.compile(r"""(['"]?)([A-Za-z0-9_.\-]+)\1(\s*[:=]\s*(?:[bB][rR]?|[rR][bB]?)?)(['"])((?:\\.|(?!\4).)*)\4""")
+#: 'key': 1234, "key": 1.5 (a number in JSON text or a repr)
+_QUOTED_NUMBER = re.compile(r"""(['"])([A-Za-z0-9_.\-]+)\1(\s*:\s*)(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)(?![\w.])""")
+
+
+def declare_plain(names) -> None:
+    """Declare setting names that hold no secret, whatever their words say."""
+    _DECLARED_PLAIN.update(str(n) for n in names)
+
+
+def declared_plain() -> list[str]:
+    """The names declared so far (a relay process is given them: uniradix.stderr_relay)."""
+    return sorted(_DECLARED_PLAIN)
 
 
 def secret_name(name) -> bool:
     """Whether a setting, a query key or a JSON key of this name holds a secret."""
+    if str(name) in _DECLARED_PLAIN:
+        return False
     text = _CAMEL.sub("_", str(name)).lower()
+    words = [w for w in _NOT_ALNUM.split(text) if w]
+    if words and words[-1] in _QUALIFIERS:
+        return False
     if any(p in text for p in _SECRET_PARTS):
         return True
-    return not _SECRET_WORDS.isdisjoint(_NOT_ALNUM.split(text))
+    return not _SECRET_WORDS.isdisjoint(words)
 
 
 def _userinfo(m: re.Match) -> str:
@@ -53,6 +86,10 @@ def _userinfo(m: re.Match) -> str:
 
 def _pair(m: re.Match) -> str:
     return f"{m.group(1)}={MASK}" if secret_name(m.group(1)) else m.group(0)
+
+
+def _quoted_number(m: re.Match) -> str:
+    return f"{m.group(1)}{m.group(2)}{m.group(1)}{m.group(3)}{MASK}" if secret_name(m.group(2)) else m.group(0)
 
 
 def _quoted(m: re.Match) -> str:
@@ -71,14 +108,16 @@ def redact(text) -> str:
         text = _PAIR.sub(_pair, text)
     if "'" in text or '"' in text:
         text = _QUOTED.sub(_quoted, text)
+        text = _QUOTED_NUMBER.sub(_quoted_number, text)
     return text
 
 
 def redact_value(name, value):
     """A JSON-like value as it may be shown under `name`: hidden whole where the name
-    holds a secret (a text or a container: a number or a flag is a setting, not a
-    secret, whatever its name), else its texts masked, through dicts and lists."""
-    if secret_name(name) and value not in (None, "") and isinstance(value, (str, bytes, dict, list, tuple)):
+    holds a secret (a text, a number or a container; a flag or null stays), else its
+    texts masked, through dicts and lists. `name` "": only the texts (a setting whose
+    name is declared not to hold a secret)."""
+    if secret_name(name) and value not in (None, "") and not isinstance(value, bool):
         return HIDDEN
     if isinstance(value, str):
         return redact(value)
@@ -125,4 +164,5 @@ def redact_logs() -> None:
             h.addFilter(RedactingFilter())
 
 
-__all__ = ["HIDDEN", "MASK", "RedactingFilter", "redact", "redact_logs", "redact_value", "secret_name"]
+__all__ = ["HIDDEN", "MASK", "RedactingFilter", "declare_plain", "declared_plain", "redact", "redact_logs",
+           "redact_value", "secret_name"]

@@ -116,6 +116,7 @@ class Store:
     empty_stored = True   # a zero-length value is stored (else: refused, False for it)
     closes = True         # after close(), every call raises StorageUnavailable
     tells_set_if_absent = True   # set_if_absent answers False when the key was there
+    bounded_reads = True  # a value past max_value_bytes is not read past it (else: read whole, dropped)
     counters = BASE_COUNTERS + ("exists_calls", "deletes")   # all counted in stats()
     clear_prefix = ""     # a prefix with characters a pattern must escape
     lookalike = ""        # a prefix an unescaped pattern of it would match
@@ -246,6 +247,7 @@ class MooncakeStore(Store):
     kind = "mooncake"
     empty_stored = False   # Mooncake holds no zero-length object (L3 objects never are)
     tells_set_if_absent = False   # its put keeps the old value but answers success
+    bounded_reads = False  # a get brings the whole value (local_buffer_size bounds it)
     clear_prefix, lookalike = "c1.", "c1x"
 
     def __init__(self, address: str, shared: StorageBackend) -> None:

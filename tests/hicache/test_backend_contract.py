@@ -127,6 +127,33 @@ def test_batch_contains_answers_every_key(store, backend):
     assert backend.stats()["errors"] == before["errors"]
 
 
+def test_a_value_larger_than_its_readers_store_is_an_unreadable_entry(store, backend):
+    """Readers that know how large their values are (expect_values_up_to: the storage
+    tier's largest object) are never handed a larger one, which none of them wrote (a
+    file extended or sparse, a value someone else set): a miss, counted as unreadable,
+    and removed, so the key is stored again; values within the bound read as before."""
+    b = store.make()   # its own instance: the bound stays with it
+    ks = keys(3, ns="bound")
+    assert b.batch_set(ks, [b"a" * 100, b"b" * 101, b"c" * 50_000]) == [True] * 3
+    b.expect_values_up_to(100)
+    b.expect_values_up_to(60)   # several readers: the largest bound holds
+    assert b.max_value_bytes == 100
+    before = b.stats()
+    assert b.batch_get(ks) == [b"a" * 100, None, None]
+    st = b.stats()
+    assert st["unreadable"] - before.get("unreadable", 0) == 2 and st["errors"] - before["errors"] >= 2
+    if store.bounded_reads:   # never more than the bound of any
+        assert st["bytes_read"] - before["bytes_read"] <= 3 * 101
+    assert b.batch_contains(ks) == [True, False, False]          # removed: the next write stores them
+    assert b.batch_set(ks[1:], [b"d" * 100, b"e"]) == [True, True]
+    assert b.batch_get(ks) == [b"a" * 100, b"d" * 100, b"e"]
+    if store.empty_stored:   # an empty value is still told from a missing key (the reader drops it)
+        assert b.batch_set(ks[2:], [b""]) == [True]
+        assert b.batch_get(ks[1:] + keys(1, ns="bound-absent")) == [b"d" * 100, b"", None]
+    with pytest.raises(ValueError, match="positive"):
+        b.expect_values_up_to(0)
+
+
 def test_batch_contains_many_keys(backend):
     ks = keys(2000, ns="in2k")
     assert all(backend.batch_set(ks[::3], [b"v"] * len(ks[::3])))

@@ -584,6 +584,43 @@ def test_with_a_secret_forged_objects_are_misses(tmp_path, monkeypatch):
     assert r3.metrics.storage_tokens > 0
 
 
+def test_pending_writes_count_only_writes_not_yet_done(tmp_path):
+    """The gauge of pending writes (/metrics) says what the store has yet to take, also
+    on an idle server, whose steps no longer prune the writes that finished."""
+    from concurrent.futures import wait
+    eng = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)))
+    eng.submit(greedy(list(range(3, 60)), 3))
+    while eng.waiting or eng.running or eng.prefetching:
+        eng.step()
+    assert eng.storage.writing   # handed to the write thread, not pruned (no step since)
+    wait(eng.storage.writing, timeout=60)
+    assert eng.stats()["storage_pending_writes"] == 0
+    eng.close()
+
+
+def test_engines_with_other_secrets_leave_each_others_objects_alone(tmp_path):
+    """A fleet mid-rotation (the old secret and the new one), or engines with and
+    without a secret, on one store: each never even finds the objects it could not
+    authenticate (their keys carry a digest of the secret), so none is counted as forged
+    or deleted, and each keeps its own reuse."""
+    (first,), nxt = conversation(engine("tiny-hybrid", 4, FileBackend(str(tmp_path)), auth_secret="old"),
+                                 random.Random(20), turns=1)
+    whole = page_floor(len(nxt) - 1, 4)
+    for secret in ("new", None):
+        other = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)), auth_secret=secret)
+        r = greedy(nxt, 3)
+        other.run([r])
+        check_exact(other, r)
+        s = other.stats()
+        assert r.metrics.storage_tokens == 0 and s["storage_corrupt_objects"] == 0 and s["storage_loads"] == 0
+    again = engine("tiny-hybrid", 4, FileBackend(str(tmp_path)), auth_secret="old")
+    r = greedy(nxt, 3)
+    again.run([r])
+    check_exact(again, r)
+    assert r.metrics.storage_tokens == page_floor(len(first.input_ids) + len(first.output_ids) - 1, 4) <= whole
+    assert again.stats()["storage_corrupt_objects"] == 0
+
+
 def test_window_of_one_token_resumes_from_l3_through_the_host_tier(tmp_path):
     """A window of one token reads nothing before the boundary: L3 has no SWA page to
     load for it, and the load through the host tier must not expect one."""

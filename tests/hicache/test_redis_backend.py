@@ -115,8 +115,31 @@ def test_server_killed_mid_run_then_restarted():
             assert fresh.batch_exists(keys(4)) == 0
             assert fresh.batch_set(keys(2), [b"x", b"y"]) == [True, True]
             assert fresh.batch_get(keys(2)) == [b"x", b"y"]
-        # the old instance reconnects by itself and sees the same store
+        # the old instance reconnects by itself and sees the same store; the reconnect
+        # bumps its generation (the storage tier then believes nothing stored any more)
+        assert b.generation == 0
         assert b.batch_get(keys(2)) == [b"x", b"y"]
+        assert b.generation == 1
+        b.close()
+
+
+def test_a_restart_between_calls_bumps_the_generation():
+    """A restart the client never saw fail (its pooled connection reconnects inside the
+    next call) still tells the storage tier that the store may have lost everything;
+    more connections for a busier pool do not."""
+    import threading
+    with redis_server() as s:
+        b = RedisBackend(s.url, socket_timeout=1.0)
+        threads = [threading.Thread(target=b.batch_get, args=(keys(2),)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert b.generation == 0
+        s.restart()
+        assert b.batch_exists(keys(1)) == 0 and b.generation >= 1
+        g = b.generation
+        assert b.batch_exists(keys(1)) == 0 and b.generation == g
         b.close()
 
 

@@ -114,6 +114,52 @@ def test_a_redis_that_lost_everything_gets_it_written_again(how):
                 s.close()
 
 
+def test_a_store_found_emptied_gets_its_witness_back(tmp_path):
+    """A write that finds objects believed stored gone (the store was emptied, its
+    witness with them) has the witness read again before the next call, rather than up
+    to RECHECK_S later: the namespace says whose it is before more is written into it."""
+    rng = random.Random(62)
+    a = engine(FileBackend(str(tmp_path)), threshold=100_000)
+    ids = [rng.randrange(256) for _ in range(40)]
+    _, ids = turn(a, ids, rng)
+    witness = tmp_path / a.storage.witness.key
+    assert witness.exists()
+    for f in os.listdir(tmp_path):   # everything, the witness too
+        os.remove(tmp_path / f)
+    for _ in range(2):   # the first write finds the loss, the second asks for the witness first
+        _, ids = turn(a, ids, rng)
+    assert a.stats()["storage_lost_objects"] > 0
+    assert witness.exists() and a.storage.witness.state == "trusted"
+    a.close()
+
+
+def test_a_redis_restart_puts_the_witness_back_at_the_next_call():
+    """The client reconnects inside its next call, without an error: its generation
+    changes, so the engine believes nothing stored and checks the witness at once (not
+    up to RECHECK_S later): the namespace says whose it is again before the engine writes
+    into it."""
+    from redis_server import redis_server
+
+    from uniradix.hicache.backends.redis import RedisBackend
+    with redis_server() as srv:
+        backend = RedisBackend(srv.url, prefix="gen:")
+        eng = Engine("tiny-hybrid", page_size=P, max_total_tokens=1024, storage=backend, prefetch_threshold=1)
+        try:
+            r = greedy(list(range(3, 50)), 3)
+            eng.run([r])
+            name = "gen:" + eng.storage.witness.key
+            assert srv.cli("EXISTS", name) == b":1\r\n"
+            srv.restart()          # empty: no persistence
+            r2 = greedy(list(range(3, 50)) + [7, 7], 3)
+            eng.run([r2])
+            check_exact(eng, r2)
+            assert srv.cli("EXISTS", name) == b":1\r\n"
+            assert eng.storage.witness.state == "trusted"
+        finally:
+            eng.close()
+            backend.close()
+
+
 # --------------------------------------------------------------------------- the store's beliefs
 def stored(tmp_path, store_cls=FileBackend, **kw):
     """An engine that served one request, and an L3Store over its cache (nothing

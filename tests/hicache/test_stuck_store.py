@@ -130,6 +130,33 @@ def test_links_and_sockets_are_neither_followed_nor_opened(tmp_path, kind, monke
             sock.close()
 
 
+def test_a_file_larger_than_any_object_is_never_read_into_memory(tmp_path):
+    """A file under a key's name grown past any object (a sparse file costs no disk, and
+    a plain read of one of many GB takes the server's memory with it): the reader sees
+    its size first, reads none of it, counts it, removes it, and the next write stores
+    the key again, so a fresh engine reuses the whole prefix."""
+    nxt, keys = stored(tmp_path)
+    victim = tmp_path / keys[2]
+    with open(victim, "r+b") as f:
+        f.truncate(64 << 20)   # sparse
+    b = engine(tmp_path, hicache_storage_prefetch_policy="wait_complete")
+    r = greedy(nxt, 3)
+    b.run([r])
+    check_exact(b, r)
+    assert r.metrics.storage_tokens < page_floor(len(nxt) - 1, 4)
+    s = b.stats()
+    assert s["storage"]["backend"]["unreadable"] == 1 and s["storage_errors"] >= 1
+    assert s["storage"]["backend"]["bytes_read"] < 1 << 20   # the object's size, not the file's
+    assert victim.is_file() and victim.stat().st_size < 1 << 20   # rewritten by b's write-through
+    b.close()
+    c = engine(tmp_path)
+    r2 = greedy(nxt, 3)
+    c.run([r2])
+    check_exact(c, r2)
+    assert r2.metrics.storage_tokens == page_floor(len(nxt) - 1, 4)
+    assert c.stats()["storage_errors"] == 0
+
+
 class Hanging(FileBackend):
     """A file store whose reads never return until the test lets them (a server that
     stopped answering, a network mount gone away)."""
@@ -201,6 +228,34 @@ def test_wait_complete_over_a_store_that_hangs(tmp_path):
         assert b.stats()["storage_pending_writes"] == 0
     finally:
         store.release.set()
+
+
+def test_metrics_say_what_a_hanging_store_cost(tmp_path, monkeypatch):
+    """While the store hangs, reads given up and writes dropped for want of room in the
+    write queue are data a client never gets: /metrics says how many, and how many
+    writes are waiting."""
+    from uniradix.hicache import l3
+    from uniradix.server.metrics import ServerMetrics
+    monkeypatch.setattr(l3, "MAX_PENDING_WRITES", 2)
+    store = Hanging(str(tmp_path))
+    b = Engine("tiny-hybrid", page_size=4, max_total_tokens=2048, storage=store, prefetch_threshold=1,
+               prefetch_timeout_base=0.05, prefetch_timeout_max=0.05, io_timeout=0.3)
+    try:
+        rs = [greedy([i + 3] * 30, 2) for i in range(5)]
+        assert bounded(lambda: b.run(rs[:1]), 30)                # its read is given up, its write waits
+        assert bounded(lambda: b.run(rs[1:]), 30)                # reads stuck: computed; writes pile up
+        s = b.stats()
+        assert s["storage_prefetch_abandoned"] >= 1 and s["storage_writes_dropped"] >= 1
+        text = ServerMetrics().render({"engine": s, "output_tokens": 0, "sessions": 0}).decode()
+        for name, key in (("uniradix_storage_prefetches_abandoned_total", "storage_prefetch_abandoned"),
+                          ("uniradix_storage_writes_dropped_total", "storage_writes_dropped"),
+                          ("uniradix_storage_prefetches_total", "storage_prefetches"),
+                          ("uniradix_storage_pending_writes", "storage_pending_writes")):
+            assert f"{name} {float(s[key])}" in text, name
+        assert s["storage_pending_writes"] >= 1
+    finally:
+        store.release.set()
+    assert bounded(lambda: b.close(timeout=5), 30)
 
 
 def test_io_threads_are_daemons_and_shutdown_never_waits_for_a_stuck_call():

@@ -235,7 +235,7 @@ def test_a_namespace_claimed_by_other_weights_later_is_noticed(tmp_path):
     nxt = first_turn(a, seed=6)
     a.storage.witness.recheck_s = 0.0
     FileBackend(str(tmp_path)).clear()
-    intruder = Witness(FileBackend(str(tmp_path)), a.storage.store.namespace, "w-of-other-weights")
+    intruder = Witness(FileBackend(str(tmp_path)), a.storage.witness.namespace, "w-of-other-weights")
     assert intruder.allows()
     saved = a.stats()["storage_saved_objects"]
     r = greedy(nxt, 3)
@@ -289,3 +289,69 @@ def test_metrics_say_l3_is_refused(tmp_path):
         text = ServerMetrics().render({"engine": eng.stats(), "output_tokens": 0, "sessions": 0}).decode()
         assert f"uniradix_storage_refused {float(refused)}" in text
         assert f"uniradix_storage_witness_mismatches_total {float(refused)}" in text
+
+
+@pytest.mark.parametrize("lost", ["removed", "claimed_between_checks"])
+def test_other_weights_never_read_objects_whose_witness_key_was_lost(tmp_path, lost):
+    """The witness key is one key among the objects: an LRU store evicts it (it is the
+    oldest), a clean-up by age removes it, or the store is emptied and other weights
+    claim the name while an engine still trusts its last check. The objects stay bound
+    to the weights that computed them (their keys carry the witness): other weights read
+    nothing and answer as a cache-off engine, and the same weights still share."""
+    mine, other = init_weights(CFG), init_weights(CFG.with_(seed=9))
+    a = named_engine(FileBackend(str(tmp_path)), mine)
+    a.storage.witness.recheck_s = 1e9   # a trusting engine does not look again meanwhile
+    if lost == "removed":
+        nxt = first_turn(a)
+        assert FileBackend(str(tmp_path)).delete(a.storage.witness.key)
+        b = named_engine(FileBackend(str(tmp_path)), other)
+    else:
+        first_turn(a, seed=2)                    # trusted from here on
+        FileBackend(str(tmp_path)).clear()       # the store is emptied ...
+        b = named_engine(FileBackend(str(tmp_path)), other)
+        b.run([greedy([7] * 20, 1)])             # ... and other weights claim the name
+        nxt = first_turn(a)                      # the trusting engine writes on
+    assert a.stats()["storage_saved_objects"] > 0
+    r = greedy(nxt, 6)
+    b.run([r])
+    check_exact(b, r)
+    off = Engine(CFG, weights=other, page_size=4, max_total_tokens=2048, disable_radix_cache=True)
+    assert r.output_ids == off.generate(r.input_ids, max_new_tokens=6).output_ids
+    assert r.metrics.storage_tokens == 0 and b.stats()["storage_loads"] == 0
+    c = Engine(CFG, weights=mine, page_size=4, max_total_tokens=2048, storage=FileBackend(str(tmp_path)),
+               prefetch_threshold=1, model_fingerprint=NAME)
+    assert c.storage.store.namespace == a.storage.store.namespace   # the same weights: one namespace
+    for e in (a, b, c):
+        e.close()
+
+
+def test_one_checkpoint_at_two_dtypes_never_shares_objects(tmp_path):
+    """The checkpoint's fingerprint names its files, not the dtype they were loaded at,
+    and float16 and bfloat16 pages have one size: only the witness (dtypes and values of
+    the loaded tensors) tells them apart. With the witness key lost, the other dtype's
+    engine still finds nothing to read, and answers as its own model does."""
+    import torch
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model" / "hf"))
+    from harness import make_tiny
+
+    from uniradix.model.hf import load_checkpoint
+    path = make_tiny("qwen3", str(tmp_path / "ckpt"))
+    store = tmp_path / "l3"
+
+    def eng(dtype):
+        return Engine(load_checkpoint(path, dtype), page_size=4, max_total_tokens=2048,
+                      storage=FileBackend(str(store)), prefetch_threshold=1)
+
+    a = eng(torch.float16)
+    rng = random.Random(5)
+    r = greedy([rng.randrange(8, 200) for _ in range(60)], 4)
+    a.run([r])
+    assert a.stats()["storage_saved_objects"] > 0
+    assert FileBackend(str(store)).delete(a.storage.witness.key)
+    b = eng(torch.bfloat16)
+    r2 = greedy(r.input_ids + r.output_ids + [9, 10, 11], 4)
+    b.run([r2])
+    check_exact(b, r2)
+    assert r2.metrics.storage_tokens == 0 and b.stats()["storage_loads"] == 0
+    for e in (a, b):
+        e.close()

@@ -21,3 +21,23 @@ class HangingStore(FileBackend):
     def batch_contains(self, keys):
         self._never.wait()
         return super().batch_contains(keys)
+
+
+class HangingClose(FileBackend):
+    """A file store that works, but whose close() never returns (a client that waits on
+    a store that stopped answering, as Mooncake's does at its teardown)."""
+
+    _never = threading.Event()
+
+    def close(self):
+        self._never.wait()
+
+
+class RefusingWrites(FileBackend):
+    """A file store that reads, but refuses every write of data (a full disk): only the
+    namespace's witness goes in."""
+
+    def batch_set(self, keys, values):
+        ok = [k.endswith(".witness") for k in keys]
+        super().batch_set([k for k, good in zip(keys, ok) if good], [v for v, good in zip(values, ok) if good])
+        return ok

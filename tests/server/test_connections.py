@@ -179,3 +179,228 @@ def test_under_a_low_file_descriptor_limit_a_normal_client_still_gets_through():
         assert s.stop() == 0
     log = "".join(s.lines)
     assert "Too many open files" not in log and "out of system resource" not in log, log[-3000:]
+
+
+# ---------------------------------------------------------------------------- clients stuck on their side
+def send_head_and_part_of_a_body(srv) -> socket.socket:
+    """A request whose handler is reading its body (it asked for it: 100 Continue)."""
+    s = connect(srv)
+    s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n"
+              b"Expect: 100-continue\r\n\r\n")
+    got = b""
+    while b"100 Continue" not in got:
+        chunk = s.recv(4096)
+        assert chunk, got
+        got += chunk
+    s.sendall(b"{")
+    return s
+
+
+def logged(srv, since: int, text: str, n: int) -> str:
+    """The server's output since line `since`, once `text` is in it `n` times (log lines
+    reach stdout through the masking relay, a moment after what they tell)."""
+    deadline = time.monotonic() + 30
+    while True:
+        new = "".join(srv.lines[since:])
+        if new.count(text) >= n or time.monotonic() > deadline:
+            return new
+        time.sleep(0.05)
+
+
+def server_send_queue(port: int, client_port: int) -> int | None:
+    """Bytes the server's socket to this client holds unsent (Linux's /proc/net/tcp)."""
+    try:
+        with open("/proc/net/tcp") as f:
+            rows = f.read().splitlines()[1:]
+    except OSError:
+        return None
+    for row in rows:
+        cols = row.split()
+        if int(cols[1].split(":")[1], 16) == port and int(cols[2].split(":")[1], 16) == client_port:
+            return int(cols[4].split(":")[0], 16)
+    return None
+
+
+def a_client_that_never_reads(srv) -> socket.socket:
+    """Pipelined requests whose answers it never reads, until the server's writes to it
+    are stuck (its socket full)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", srv.port))
+
+    def flood():
+        try:
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n" * 3000)  # ~35 MB of answers
+        except OSError:
+            pass
+    threading.Thread(target=flood, daemon=True).start()
+    last, deadline = None, time.monotonic() + 30
+    while time.monotonic() < deadline:  # stuck: the server's unsent bytes stay put
+        time.sleep(0.3)
+        now = server_send_queue(srv.port, s.getsockname()[1])
+        if now is None and last is None and time.monotonic() > deadline - 27:
+            break  # no /proc/net/tcp here: 3 s is far more than filling the buffers takes
+        if now and now == last:
+            break
+        last = now
+    return s
+
+
+def test_at_the_cap_a_client_still_sending_its_body_makes_room(srv):
+    """Before: connections whose body trickled in held every place until
+    --request-body-timeout, and a normal client was refused (503) all that time."""
+    srv.wait_idle()
+    before = counters(srv)
+    slow = [send_head_and_part_of_a_body(srv) for _ in range(CAP)]  # reading bodies, not waiting for heads
+    try:
+        code, out, _ = srv.post("/generate", GOOD)
+        assert code == 200 and len(out["output_ids"]) == 2, out
+        first = read_until_closed(slow[0])  # the one that has sent its body longest goes
+        assert first.startswith(b"HTTP/1.1 503"), first
+        assert b"--max-connections" in first and b"retry-after" in first.lower()
+    finally:
+        for s in slow[1:]:
+            s.close()
+    deadline = time.monotonic() + 30
+    while counters(srv)["client_disconnects_total"] < before["client_disconnects_total"] + 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    after = counters(srv)
+    # the two closed here left; the one closed by the server is counted as evicted, not as a client leaving
+    assert after["client_disconnects_total"] == before["client_disconnects_total"] + 2
+    key = 'connections_closed_total{reason="evicted"}'
+    assert after[key] == before[key] + 1
+    assert after["connections_refused_total"] == before["connections_refused_total"]
+
+
+def test_at_the_cap_a_client_that_reads_nothing_makes_room(srv):
+    """Before: connections whose clients read none of their answers held every place,
+    and a normal client was refused (503) for as long as they stayed."""
+    srv.wait_idle()
+    before = counters(srv)
+    stuck = [a_client_that_never_reads(srv) for _ in range(CAP)]
+    try:
+        code, out, _ = srv.post("/generate", GOOD)
+        assert code == 200 and len(out["output_ids"]) == 2, out
+    finally:
+        for s in stuck:
+            s.close()
+    after = counters(srv)
+    key = 'connections_closed_total{reason="evicted"}'
+    assert after[key] == before[key] + 1
+    assert after["connections_refused_total"] == before["connections_refused_total"]
+    srv.wait_idle()
+    assert srv.audit()["settled"]
+
+
+LONG = {"max_new_tokens": 5000, "temperature": 0, "ignore_eos": True}
+LEAVING = {
+    "generate-stream": ("/generate", {"input_ids": [5, 6, 7], "stream": True, "sampling_params": LONG}, 1),
+    "generate-batch": ("/generate", {"input_ids": [[5, 6, 7], [5, 6, 8]], "sampling_params": LONG}, 2),
+    "completions-stream": ("/v1/completions", {"prompt": [5, 6, 7], "stream": True, "max_tokens": 5000,
+                                               "ignore_eos": True}, 1),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000,
+                                      "ignore_eos": True}, 1),
+}
+
+
+@pytest.mark.parametrize("case", LEAVING)
+def test_a_client_that_leaves_after_its_body_is_counted_and_logged_once(srv, case):
+    """Before: only a client that left mid-body was counted and logged; one that left
+    mid-stream or while waiting for a whole answer was aborted without a word."""
+    path, body, prompts = LEAVING[case]
+    srv.wait_idle()
+    before, aborted, lines = counters(srv), srv.metrics()["uniradix_requests_aborted_total"], len(srv.lines)
+    raw = json.dumps(body).encode()
+    s = connect(srv)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    if body.get("stream"):
+        got = b""
+        while got.count(b"data: ") < 2:
+            chunk = s.recv(4096)
+            assert chunk, got
+            got += chunk
+    else:
+        deadline = time.monotonic() + 30
+        while srv.metrics()["uniradix_running_requests"] < prompts:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    s.close()
+    deadline = time.monotonic() + 30
+    while counters(srv)["client_disconnects_total"] == before["client_disconnects_total"]:
+        assert time.monotonic() < deadline, "not counted"
+        time.sleep(0.05)
+    srv.wait_idle()
+    assert counters(srv)["client_disconnects_total"] == before["client_disconnects_total"] + 1
+    assert srv.metrics()["uniradix_requests_aborted_total"] == aborted + prompts
+    assert srv.audit()["settled"]
+    new = logged(srv, lines, "left during its request", 1)
+    left = [line for line in new.splitlines() if "left during its request" in line]
+    assert len(left) == 1 and " INFO " in left[0] and path in left[0], new
+    assert "Traceback" not in new and "ERROR" not in new, new
+
+
+def test_what_a_client_gets_wrong_below_the_app_is_counted_and_logged_at_info(srv):
+    """Before: uvicorn logged a WARNING for every connection that sent bytes that are not
+    HTTP, and two (one advising to install a WebSocket library) for every Upgrade
+    header, none of it counted: any client could fill the log with warnings."""
+    before, lines = counters(srv), len(srv.lines)
+    for _ in range(3):
+        s = connect(srv)
+        s.sendall(b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 not http\r\n\r\n")
+        assert read_until_closed(s).startswith(b"HTTP/1.1 400")
+    s = connect(srv)
+    s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+    got = b""
+    while b"\r\n\r\n" not in got:
+        got += s.recv(4096)
+    s.close()
+    assert got.startswith(b"HTTP/1.1 200")  # served as a plain request
+    key = 'connections_closed_total{reason="bad_request"}'
+    assert counters(srv)[key] == before[key] + 3
+    assert srv.post("/generate", GOOD)[0] == 200
+    new = logged(srv, lines, "Unsupported upgrade request.", 1)
+    new = logged(srv, lines, "Invalid HTTP request received.", 3)
+    assert "WARNING" not in new and "WebSocket" not in new, new
+    assert new.count("Invalid HTTP request received.") == 3 and new.count("Unsupported upgrade request.") == 1
+
+
+def test_a_client_that_does_not_read_its_answers_is_cut():
+    """Before: a client that sent requests and read nothing held its connection, its
+    place under --max-connections and the handler forever."""
+    s = ServerProc("--response-write-timeout", "1", "--max-connections", "4")
+    try:
+        before = counters(s)
+        stuck = a_client_that_never_reads(s)
+        key = 'connections_closed_total{reason="write_timeout"}'
+        deadline = time.monotonic() + 30
+        while counters(s)[key] == before[key]:
+            assert time.monotonic() < deadline, counters(s)
+            time.sleep(0.1)
+        assert counters(s)[key] == before[key] + 1
+        stuck.close()
+        assert s.post("/generate", GOOD)[0] == 200
+        assert s.audit()["settled"]
+    finally:
+        assert s.stop() == 0
+    log = "".join(s.lines)
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+
+
+def test_sigterm_with_clients_stuck_on_their_side_stops_quietly():
+    """Before: a client sending its body slowly, or reading nothing, held the shutdown
+    past --graceful-timeout until uvicorn cancelled their handlers, one ERROR and a
+    traceback each. Now a body still arriving is answered 503 at once, and what is
+    still stuck a moment after the graceful timeout is cut."""
+    s = ServerProc("--graceful-timeout", "1", "--request-body-timeout", "300")
+    sending = send_head_and_part_of_a_body(s)
+    reading_nothing = a_client_that_never_reads(s)
+    try:
+        assert s.stop() == 0
+        answer = read_until_closed(sending)
+        assert answer.startswith(b"HTTP/1.1 503") and b"shutting down" in answer, answer
+    finally:
+        reading_nothing.close()
+    log = "".join(s.lines)
+    assert "Traceback" not in log and "ERROR" not in log and "left during" not in log, log[-3000:]

@@ -47,6 +47,8 @@ URLS = [
     ("{'password': 'pw', 'url': 'u'}", "{'password': '***', 'url': 'u'}"),
     ('{"api_key": "pw", "prompt_tokens": 5}', '{"api_key": "***", "prompt_tokens": 5}'),
     (r'{"x": "{\"u\": \"h?token=pw\", \"k\": 1}"}', r'{"x": "{\"u\": \"h?token=***\", \"k\": 1}"}'),  # JSON in JSON
+    ("{'password': b'pw', 'auth': rb'pw'}", "{'password': b'***', 'auth': rb'***'}"),  # bytes in a repr
+    ("with {'token': 123456, 'n': 5}", "with {'token': ***, 'n': 5}"),  # digits in a repr
     ("redis://h:6379/0", "redis://h:6379/0"),                      # nothing to hide
     ("Error 111 connecting to 127.0.0.1:6399. Connection refused.", None),
 ]
@@ -66,8 +68,30 @@ def test_which_names_hold_a_secret():
     for name in ("prompt_tokens", "max_total_tokens", "prefix", "path", "url", "hosts", "author", "keys",
                  "model_fingerprint", "master"):
         assert not secret_name(name), name
-    assert redact_value("prefetch_timeout_per_ki_token", 0.25) == 0.25  # a number is a setting, not a secret
     assert redact_value("token", "abc") == HIDDEN and redact_value("auth", {"user": "u"}) == HIDDEN
+
+
+def test_what_says_where_or_what_kind_is_shown_and_a_secret_of_digits_is_not():
+    """Before: a key prefix, a secret's file and an auth mode were hidden as secrets (an
+    operator could not see them), and a password of digits was shown."""
+    from uniradix.redact import redact_value, secret_name
+    for name in ("key_prefix", "keyPrefix", "password_file", "api_key_path", "secret_name", "auth_mode",
+                 "token_ttl", "ssl_key_dir"):
+        assert not secret_name(name), name
+    assert secret_name("private_key") and secret_name("redis_password") and secret_name("auth_token")
+    extra = {"password": 12345678, "nested": {"pin_token": 4321, "use_auth": True, "key_prefix": "k:"},
+             "key_prefix": "tenant-a:", "password_file": "/run/secrets/redis",
+             "prefetch_timeout_per_ki_token": 0.5, "auth_secret": "zz"}
+    shown = json.loads(redact_extra_config(json.dumps(extra)))
+    assert shown["password"] == shown["nested"]["pin_token"] == shown["auth_secret"] == HIDDEN
+    assert shown["nested"]["use_auth"] is True and shown["nested"]["key_prefix"] == "k:"  # a flag, a prefix
+    assert shown["key_prefix"] == "tenant-a:" and shown["password_file"] == "/run/secrets/redis"
+    assert shown["prefetch_timeout_per_ki_token"] == 0.5  # the tier's own setting, declared not secret
+    settings = StorageConfig(hicache_storage_backend="file", prefetch_timeout_per_ki_token=0.5).as_dict()
+    assert settings["prefetch_timeout_per_ki_token"] == 0.5
+    with pytest.raises(ValueError, match="prefetch_timeout_per_ki_token must be .*got 'soon'"):  # not <hidden>
+        StorageConfig(prefetch_timeout_per_ki_token="soon")
+    assert redact_value("", {"pw": 1234})["pw"] == HIDDEN
 
 
 def test_the_extra_config_and_settings_show_no_secret():
@@ -79,6 +103,18 @@ def test_the_extra_config_and_settings_show_no_secret():
     settings = StorageConfig(hicache_storage_backend="dynamic",
                              hicache_storage_backend_extra_config=json.dumps(EXTRA), auth_secret=SECRETS[11])
     assert not leaks(json.dumps(settings.as_dict()))
+
+
+def test_a_secret_from_the_environment_is_reported_in_force_and_hidden(monkeypatch):
+    """Before: with the MAC key in $UNIRADIX_L3_SECRET, /get_server_info said
+    auth_secret null, as if the objects were unkeyed."""
+    monkeypatch.delenv("UNIRADIX_L3_SECRET", raising=False)
+    cfg = StorageConfig(hicache_storage_backend="file")
+    assert cfg.as_dict()["auth_secret"] is None
+    monkeypatch.setenv("UNIRADIX_L3_SECRET", SECRETS[0])
+    shown = cfg.as_dict()["auth_secret"]
+    assert shown == f"{HIDDEN} (from $UNIRADIX_L3_SECRET)" and not leaks(json.dumps(cfg.as_dict()))
+    assert StorageConfig().as_dict()["auth_secret"] is None  # no L3: no secret in force
 
 
 def test_log_records_and_their_tracebacks_are_masked():
@@ -114,6 +150,35 @@ def test_the_redis_backend_masks_every_form_in_its_errors(caplog):
     assert not leaks(" ".join(shown)), shown
 
 
+def test_a_redis_url_with_an_option_redis_does_not_know_is_a_clear_error(capsys):
+    """Before: redis-py took ?PASSWORD= (its names are lower case) as a connection
+    setting and raised a TypeError at the first connect: a traceback at start-up."""
+    pytest.importorskip("redis")
+    from uniradix.cli import main
+    from uniradix.hicache.backends.redis import RedisBackend
+    url = f"redis://:{SECRETS[0]}@127.0.0.1:9/0?db=0&PASSWORD={SECRETS[1]}"
+    with pytest.raises(ValueError, match="unknown query option 'PASSWORD'") as e:
+        RedisBackend(url)
+    assert not leaks(str(e.value)) and "PASSWORD=***" in str(e.value)
+    extra = json.dumps({"url": url})
+    assert main(["run", "--hicache-storage-backend", "redis", "--hicache-storage-backend-extra-config", extra,
+                 "--no-progress"]) == 2
+    out = capsys.readouterr()
+    assert "unknown query option 'PASSWORD'" in out.err and not leaks(out.out + out.err), out
+
+
+def test_what_native_code_writes_to_stderr_is_masked(capfd):
+    """Before: a native library (Mooncake's client logs its metadata server's URL)
+    wrote secrets straight to descriptor 2, past every log filter."""
+    from uniradix.stderr_relay import masked_stderr
+    with masked_stderr():
+        os.write(2, f"E1201 PUT {EXTRA['mirror']} failed\n".encode())
+        os.write(2, b"\rprogress 50%")  # a partial line still comes out
+    err = capfd.readouterr().err
+    assert not leaks(err), err
+    assert "PUT redis://:***@127.0.0.1:9/1?PW=*** failed" in err and "progress 50%" in err
+
+
 # ---------------------------------------------------------------------------- everywhere it is printed
 def env() -> dict:
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)}
@@ -121,7 +186,7 @@ def env() -> dict:
 
 def test_server_info_logs_and_backend_errors_show_no_secret():
     s = ServerProc("--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
-                   json.dumps(EXTRA), "--page-size", "4", env=env())
+                   json.dumps({**EXTRA, "native_echo": True}), "--page-size", "4", env=env())
     try:
         code, info, _ = s.get("/get_server_info")
         assert code == 200 and not leaks(json.dumps(info)), info
@@ -136,7 +201,9 @@ def test_server_info_logs_and_backend_errors_show_no_secret():
     assert not leaks(log), [line for line in s.lines if leaks(line)]
     assert f"leaky backend: connecting to redis://user:{MASK}@127.0.0.1:9/0?password={MASK}" in log  # start-up
     assert "settings: {" in log and '\\"api_key\\": \\"<hidden>\\"' in log  # the start-up settings line
+    assert '"prefetch_timeout_per_ki_token": 0.25' in log  # a declared setting, shown whatever its words
     assert "is unreachable" in log  # the backend's failing calls were logged (masked)
+    assert f"PUT redis://user:{MASK}@127.0.0.1:9/0?password={MASK}" in log  # and its native output
 
 
 @pytest.mark.parametrize("command", ["serve", "run"])

@@ -127,3 +127,32 @@ def test_sigterm_keeps_time_for_the_write_down_when_requests_run_to_the_limit(tm
         assert again["meta_info"]["cached_tokens_details"]["storage"] == done // 4 * 4, again["meta_info"]
     finally:
         assert s.stop() == 0, "".join(s.lines[-30:])
+
+
+def test_a_flush_the_store_does_not_take_keeps_the_tiers_unless_forced(tmp_path):
+    """Under write_back what only the device and host hold would be lost if the flush
+    dropped it after a failed write-down: it answers 503 and keeps them (the prompt still
+    comes back from the device); ?force=true drops them anyway."""
+    import os
+    from pathlib import Path
+    here = str(Path(__file__).resolve().parent)
+    extra = {"module_path": "hanging_store", "class_name": "RefusingWrites", "path": str(tmp_path),
+             "prefetch_threshold": 1}
+    s = ServerProc(*WRITE_BACK[:3], "--hicache-storage-backend", "dynamic", "--page-size", "4",
+                   "--max-total-tokens", "2048", "--hicache-storage-backend-extra-config", json.dumps(extra),
+                   env={"PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])})
+    ids = [3 + (i * 3) % 250 for i in range(60)]
+    try:
+        code, first, _ = s.post("/generate", greedy(ids, 2))
+        assert code == 200, first
+        code, body, headers = s.post("/flush_cache")
+        assert code == 503 and "io_timeout" in body["error"]["message"], (code, body)
+        code, again, _ = s.post("/generate", greedy(ids, 2))
+        assert code == 200 and again["meta_info"]["cached_tokens_details"]["device"] == 56, again["meta_info"]
+        assert s.metrics()["uniradix_storage_errors_total"] > 0
+        assert s.post("/flush_cache?force=true")[0] == 200
+        code, third, _ = s.post("/generate", greedy(ids, 2))
+        assert code == 200 and third["meta_info"]["cached_tokens"] == 0, third["meta_info"]
+        assert third["output_ids"] == first["output_ids"]
+    finally:
+        assert s.stop() == 0, "".join(s.lines[-30:])

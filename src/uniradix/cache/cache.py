@@ -220,15 +220,15 @@ class UnifiedRadixCache(Running, Finishing):
     def close_session(self, session_id) -> bool:
         return self.tree.close_session(session_id)
 
-    def flush(self) -> bool:
+    def flush(self, write_down: bool = True) -> bool:
         """Drop everything cached, after the storage tier below (`lower`) wrote down what
-        it lacks (hicache.l3.StorageTier.write_down: bounded in time). Refused (False)
-        while requests hold locks."""
+        it lacks (hicache.l3.StorageTier.write_down: bounded in time; `write_down=False`:
+        the caller did it already). Refused (False) while requests hold locks."""
         tree = self.tree
         if any(tree.locked) or any(tree.host_locked):
             return False
         self.sync_loads()
-        if self.lower is not None:
+        if self.lower is not None and write_down:
             self.lower.write_down()
         s = tree.structural.index  # evicting all of it takes every node with it
         while True:  # host-only parents can go only once their children have gone, and back

@@ -4,13 +4,31 @@ answer with concurrent.futures Futures.
 Not a ThreadPoolExecutor: its workers are joined when the interpreter exits, so one
 call stuck in a store (a FIFO, a hung network filesystem, a server that never answers)
 would keep the process alive after SIGTERM. A daemon thread stuck in a call is left
-behind at exit; `shutdown` never waits for one."""
+behind at exit; `shutdown` never waits for one. `calls_in_progress` says how many calls
+are still running on any of them: a process that ends with one inside a native client
+(Mooncake's) must not run that library's teardown under it, which can wait for its own
+timeouts and then crash (see uniradix.cli)."""
 from __future__ import annotations
 
 import queue
 import threading
 import time
 from concurrent.futures import Future
+
+_busy = 0   # calls running on any DaemonThreads now
+_busy_lock = threading.Lock()
+
+
+def calls_in_progress() -> int:
+    """Calls running now on the storage tiers' daemon threads, all of them together."""
+    with _busy_lock:
+        return _busy
+
+
+def _count_busy(n: int) -> None:
+    global _busy
+    with _busy_lock:
+        _busy += n
 
 
 class DaemonThreads:
@@ -46,12 +64,15 @@ class DaemonThreads:
             fut, fn, args = item
             if not fut.set_running_or_notify_cancel():
                 continue
+            _count_busy(1)
             try:
                 result = fn(*args)
             except BaseException as e:  # noqa: BLE001 - the caller sees it through the future
                 fut.set_exception(e)
             else:
                 fut.set_result(result)
+            finally:
+                _count_busy(-1)
 
     def shutdown(self, timeout: float = 0.0) -> bool:
         """Cancel what has not started, let the threads end after their current call, and
@@ -73,3 +94,22 @@ class DaemonThreads:
             for t in threads:
                 t.join(max(0.0, deadline - time.monotonic()))
         return not any(t.is_alive() for t in threads)
+
+
+def call_within(fn, timeout: float, name: str = "uniradix-close") -> bool:
+    """Run fn() on a daemon thread and wait at most `timeout` seconds; True when it
+    ended (what it raised is logged, never raised here). One that did not end runs on,
+    counted in calls_in_progress: closing a store that hangs must not hold a stopping
+    process past its deadline."""
+    import logging
+    threads = DaemonThreads(1, name)
+    fut = threads.submit(fn)
+    try:
+        fut.result(timeout=max(0.0, timeout))
+    except TimeoutError:
+        return False
+    except Exception:  # noqa: BLE001 - a close that fails must not stop the shutdown
+        logging.getLogger("uniradix.hicache").exception("%s failed", getattr(fn, "__qualname__", fn))
+    finally:
+        threads.shutdown()
+    return True

@@ -17,14 +17,18 @@ class StorageNamespace:
     """What must match for two engines to read each other's data: the model (layer
     pattern, dims, dtype: any text that changes when the KV would), the weights'
     fingerprint (two checkpoints of one architecture compute different KV), the page
-    size, the tensor-parallel rank, and the request's cache salt (by the tree's salt
-    rule, so a tenant is the same tenant in every tier)."""
+    size, the tensor-parallel rank, the request's cache salt (by the tree's salt rule,
+    so a tenant is the same tenant in every tier), and `binding`: what else decides
+    whether a reader may use an object (hicache.l3.bound_namespace: the witness of the
+    weights as loaded, a digest of the objects' MAC secret), so that a reader never
+    even finds an object it could not use."""
 
     model: str
     page_size: int
     rank: int = 0
     salt: object = None
     weights: str = ""
+    binding: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -35,6 +39,8 @@ class StorageNamespace:
             raise ValueError(f"rank must be >= 0, got {self.rank}")
         if not isinstance(self.weights, str):
             raise ValueError(f"the weights fingerprint must be a string, got {type(self.weights).__name__}")
+        if not isinstance(self.binding, str):
+            raise ValueError(f"the namespace's binding must be a string, got {type(self.binding).__name__}")
         salt_key(self.salt)  # a salt the tree would refuse is refused here too
 
     @classmethod
@@ -55,7 +61,10 @@ class StorageNamespace:
 
     def seed(self) -> bytes:
         """The chain's starting digest."""
-        text = json.dumps([self.model, self.weights, self.page_size, self.rank, salt_key(self.salt)])
+        fields = [self.model, self.weights, self.page_size, self.rank, salt_key(self.salt)]
+        if self.binding:   # (without one, the seeds of stores written before it stay)
+            fields.append(self.binding)
+        text = json.dumps(fields)
         return hashlib.sha256(b"uniradix-ns-v2\0" + text.encode()).digest()
 
 
@@ -89,7 +98,7 @@ def witness_key(ns: StorageNamespace, secret: bytes | None = None) -> str:
     the namespace without its salt (one witness for every tenant of a model) and, when
     objects are MAC'd, from a digest of the secret, so that engines with different
     secrets (who cannot read each other's objects anyway) never contend for one key."""
-    h = hashlib.sha256(b"uniradix-witness-key-v1\0" + replace(ns, salt=None).seed())
+    h = hashlib.sha256(b"uniradix-witness-key-v1\0" + replace(ns, salt=None, binding="").seed())
     if secret:
         h.update(hashlib.blake2b(secret, digest_size=16, person=b"urx-l3-witness").digest())
     return check_key(f"{h.hexdigest()}.witness")

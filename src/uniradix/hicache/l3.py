@@ -8,6 +8,11 @@ A store that fails costs only reuse: the request computes, the error is counted.
 
 Before it reads or writes, the tier checks the namespace's witness of the weights
 (witness.py): a store whose namespace holds other weights' witness is refused for good.
+The objects' keys and headers also carry what decides whether a reader may use them
+(`bound_namespace`): the witness, so that other weights' objects (or the same
+checkpoint's at another dtype) stay unreadable even when the witness key is lost, and a
+digest of the MAC secret, so that engines with other secrets never meet (nor delete)
+each other's objects.
 
 Nothing here waits on the store without a deadline: the I/O threads are daemon threads
 (io_threads.py), a read waits at most `io_timeout` (wait_complete included: the request
@@ -16,9 +21,11 @@ timeout, and reads stuck in a store that stopped answering make the next request
 compute at once instead of queueing behind them."""
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, wait
+from dataclasses import replace
 
 from .io_threads import DaemonThreads
 from .keys import StorageNamespace
@@ -38,6 +45,28 @@ READ_THREADS, WRITE_THREADS = 2, 1
 WAIT_SLICE_S = 0.05
 #: payload bytes a flush or a shutdown reads from the pools at a time (write_down)
 WRITE_DOWN_CHUNK = 64 << 20
+
+
+def bound_namespace(ns: StorageNamespace, witness: str | None, secret: bytes | None) -> StorageNamespace:
+    """The namespace the objects go under: `ns` bound to what decides whether a reader
+    may use them, so that every key and object header carries it and a reader that
+    could not use an object never finds it.
+
+    - The weights' witness (the loaded tensors' values and dtypes): a fleet's
+      model_fingerprint says nothing of the weights, and a checkpoint's fingerprint
+      nothing of the dtype it was loaded at (float16 and bfloat16 pages have one size),
+      so no object computed by other weights is ever read, whatever becomes of the
+      witness key (evicted by an LRU store, removed, the store emptied and claimed by
+      other weights before this engine looks again). The witness key stays under the
+      unbound name, where engines sharing a name meet (witness.py).
+    - A digest of the MAC secret: engines with another secret (a fleet mid-rotation) or
+      none use other keys, instead of each deleting the other's objects as forged."""
+    parts = []
+    if witness is not None:
+        parts.append(f"witness:{witness}")
+    if secret:
+        parts.append("keyed:" + hashlib.blake2b(secret, digest_size=16, person=b"urx-l3-keys").hexdigest())
+    return replace(ns, binding=" ".join(parts)) if parts else ns
 
 
 def _wait_until(fut, deadline: float) -> bool:
@@ -65,8 +94,8 @@ class StorageTier:
         else:
             ns = StorageNamespace.for_model(model, cache.page_size, settings.rank, weights=weights)
         secret = resolve_secret(settings.auth_secret)
-        self.store = L3Store(cache, backend, ns, secret)
         self.witness = None if witness is None else Witness(backend, ns, witness, secret)
+        self.store = L3Store(cache, backend, bound_namespace(ns, witness, secret), secret)
         self.io_timeout = settings.io_timeout
         self._warn = LogLimiter(log, "L3")
         self.write_back = write_policy == "write_back"
@@ -238,12 +267,17 @@ class StorageTier:
         write_min_hits times). What the store was believed to have is re-checked first,
         so what it lost goes down too; then what it lacks is read chunk by chunk (at most
         two chunks in memory) and written. Waits at most `timeout` seconds (default
-        io_timeout); True when all of it reached the store."""
+        io_timeout); True when all of it reached the store (False: cut short, or a write
+        failed, counted in storage_errors)."""
         if self.refused:
             return True
         self.cache.sync_loads()
+        failed = self._failed_writes()
         limit = self.io_timeout if timeout is None else max(timeout, 0.0)
         deadline = time.monotonic() + limit
+        # writes already queued hold their keys (a new job skips them): they land first
+        if not self.poll_writes(wait_all=True, timeout=limit):
+            return self._late(limit)
         jobs = None
         try:
             for send in (False, True):  # re-check the beliefs, then send what is missing
@@ -263,7 +297,12 @@ class StorageTier:
         finally:
             if jobs is not None:
                 jobs.close()  # an abandoned generator gives back what it held
-        return True
+        return self._failed_writes() == failed
+
+    def _failed_writes(self) -> int:
+        """Writes that failed so far (calls that raised, sets refused)."""
+        c = self.store.counters
+        return c["errors"] + c["failed_sets"]
 
     def _late(self, limit: float) -> bool:
         self.counters["storage_errors"] += 1
@@ -304,7 +343,11 @@ class StorageTier:
                 self._warn.failure("writes skipped", "an L3 write was skipped: %s", e)
                 self.store.discard(job)
                 return 0
-        return self.store.commit(job)
+        lost = self.store.counters["lost"]
+        written = self.store.commit(job)
+        if w is not None and self.store.counters["lost"] != lost:
+            w.forget()   # the store lost objects (emptied, evicted): its witness too, maybe
+        return written
 
     def poll_writes(self, wait_all: bool = False, timeout: float | None = None) -> bool:
         """Forget finished writes (commit counts its own outcome); with `wait_all`, first
@@ -358,7 +401,7 @@ class StorageTier:
         # every failure counts: calls that raised, here or on the I/O threads, sets
         # refused, and entries the backend found unreadable under a key's name
         c["storage_errors"] += lc["errors"] + lc["failed_sets"] + storage["backend"].get("unreadable", 0)
-        c["storage_pending_writes"] = len(self.writing)
+        c["storage_pending_writes"] = sum(not f.done() for f in self.writing)   # not yet pruned: done ones too
         w = self.witness
         c["storage_witness_mismatch"] = 0 if w is None else w.mismatches
         c["storage_refused"] = int(self.refused)

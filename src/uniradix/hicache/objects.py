@@ -21,10 +21,11 @@ import hmac
 import os
 import struct
 
+from ..config import L3_SECRET_ENV as SECRET_ENV
+
 MAGIC = b"URXO"
 VERSION = 2
 KEYED = 1  # flags bit: the check is a MAC keyed by a secret
-SECRET_ENV = "UNIRADIX_L3_SECRET"
 # magic, version, flags, key length, payload length, namespace digest (16), check (32)
 _HEAD = struct.Struct("<4sHHHQ16s32s")
 _CHECKED = _HEAD.size - 32  # the header bytes the check covers
@@ -79,6 +80,16 @@ def _check(head: bytes, key: bytes, payload, secret: bytes | None) -> bytes:
     h.update(key)
     h.update(payload)
     return h.digest()
+
+
+#: the longest key (storage.KEY_RE: 64 hex digits, a dot, a 32-character suffix)
+_MAX_KEY = 64 + 1 + 32
+
+
+def object_nbytes_at_most(payload_nbytes: int) -> int:
+    """The largest stored object with a payload of `payload_nbytes` (any key, any format):
+    a reader's bound on what it reads (StorageBackend.expect_values_up_to)."""
+    return max(_HEAD.size, _HEAD_V1.size) + _MAX_KEY + payload_nbytes
 
 
 def pack_object(key: str, payload: bytes, namespace: bytes, secret: bytes | None = None) -> bytes:

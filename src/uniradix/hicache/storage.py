@@ -11,7 +11,8 @@ are rate-limited (`log_limit.LogLimiter`), so the counters, not the log, say how
 Something under a key's name that is not a value this backend stored (a directory or a
 FIFO in a file store, a list in Redis) is an unreadable entry: a miss, counted in
 `unreadable` (the storage tier counts it as a storage error) and removed, so that the
-next write of that key stores it again; it never blocks a read or that prefix.
+next write of that key stores it again; it never blocks a read or that prefix. So is a
+value larger than any its readers store (`expect_values_up_to`), found before it is read.
 
 Every call is bounded in time: a store that does not answer raises
 `StorageUnavailable` after the backend's timeout (redis: socket_timeout; mooncake:
@@ -44,6 +45,27 @@ class StorageBackend(ABC):
     the order of `keys`."""
 
     name = "abstract"
+
+    #: the largest value the readers of this backend store (None: no bound; see
+    #: expect_values_up_to)
+    max_value_bytes: int | None = None
+    #: optional (redis and mooncake have one): a number the backend bumps when its
+    #: store may have lost what it held (it reconnected, or the store answered again
+    #: after failing); the storage tier then believes nothing stored and reads the
+    #: witness again. A backend without one relies on the writes' own re-checks.
+    generation: int | None = None
+
+    def expect_values_up_to(self, nbytes: int) -> None:
+        """The readers of this backend store values of at most `nbytes` (several readers
+        may share one backend: the bound is the largest any asked for). A value found
+        larger was written by none of them (a file extended, a sparse file, a value
+        someone else set): the built-in backends see a value's size before they read it
+        and treat such a value as an unreadable entry (a miss, counted, removed) without
+        reading more than the bound of it, so that no entry in the store, however large,
+        costs a reader its memory."""
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+            raise ValueError(f"a value bound must be a positive number of bytes, got {nbytes!r}")
+        self.max_value_bytes = max(self.max_value_bytes or 0, nbytes)
 
     @abstractmethod
     def batch_exists(self, keys: list[str]) -> int:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from .codec import handle_nbytes, sidecar_row_nbytes, write_handles, write_sidecar_rows
 from .keys import StorageNamespace, component_key, page_keys
 from .log_limit import LogLimiter
-from .objects import CorruptObject, unpack_object
+from .objects import CorruptObject, object_nbytes_at_most, unpack_object
 from .storage import StorageBackend
 from .store_writes import BUSY, KNOWN, MINE, Writing
 
@@ -88,6 +88,11 @@ class L3Store(Writing):
         self._generation = getattr(backend, "generation", None)
         self._sizes: dict = {}  # bytes per handle of each pool and sidecar, by id
         self._warn = LogLimiter(log, "L3")
+        # no object this store reads is larger than its largest handle's: a bigger entry
+        # under one of its keys is not read into memory (StorageBackend.expect_values_up_to)
+        largest = max([handle_nbytes(p) for p in cache.pools]
+                      + [sidecar_row_nbytes(sc) for p in cache.pools for sc in getattr(p, "sidecars", {}).values()])
+        backend.expect_values_up_to(object_nbytes_at_most(largest))
 
     # ------------------------------------------------------------------ keys
     def _ns(self, salt) -> StorageNamespace:

@@ -9,15 +9,23 @@ pages and answer wrongly. So the namespace also holds a witness of the weights
 under a key of its own, in the checked object format.
 
 Before an engine's first read or write, again every RECHECK_S seconds, after the store
-failed, and after the backend reconnected (its `generation` changed), the witness is
-read: absent, this engine's is written (set-if-absent,
-then read back: of two engines starting at once, one wins and the other sees it);
+failed, after the backend reconnected (its `generation` changed), and after a write
+found objects it believed stored gone (the store was emptied), the witness is read:
+absent, this engine's is written (set-if-absent, then read back: of two engines
+starting at once, one wins and the other sees it);
 equal, the namespace is trusted; different, L3 is refused to this engine for good (no
 reads, no writes; one error in the log naming the namespace and both witnesses; a
 metric). A refused engine computes what it would have read: its answers stay its own.
 All of it runs on the storage tier's I/O threads, never at start-up or on the
 scheduler's thread, so a store that is down delays nothing (the check is tried again
-at the next call)."""
+at the next call).
+
+The witness key says who owns a name; it is not what keeps answers right. A store can
+lose that one key and keep the objects (an LRU policy evicts it, a clean-up by age
+removes it, the store is emptied and claimed by other weights between two checks), and
+other weights would then claim the name. So the objects themselves are bound to the
+witness too (l3.bound_namespace: it is part of their keys and headers): other weights
+never find them, whatever happens to the witness key."""
 from __future__ import annotations
 
 import hashlib
@@ -26,7 +34,7 @@ import threading
 import time
 
 from .keys import StorageNamespace, witness_key
-from .objects import CorruptObject, pack_object, unpack_object
+from .objects import CorruptObject, object_nbytes_at_most, pack_object, unpack_object
 from .storage import StorageBackend, StorageUnavailable
 
 log = logging.getLogger("uniradix.hicache")
@@ -34,6 +42,8 @@ log = logging.getLogger("uniradix.hicache")
 #: seconds an agreement holds before the witness is read again (a store that was emptied
 #: and claimed by other weights meanwhile is noticed within this)
 RECHECK_S = 10.0
+#: bytes a witness may have at most (one is a digest's hex: 64)
+WITNESS_MAX = 1024
 
 
 class Witness:
@@ -42,13 +52,15 @@ class Witness:
 
     def __init__(self, backend: StorageBackend, namespace: StorageNamespace, mine: str,
                  secret: bytes | None = None, recheck_s: float = RECHECK_S) -> None:
-        if not isinstance(mine, str) or not mine:
-            raise ValueError(f"the weights' witness must be a non-empty string, got {mine!r:.40}")
+        if not isinstance(mine, str) or not mine or len(mine.encode()) > WITNESS_MAX:
+            raise ValueError(f"the weights' witness must be a non-empty string of at most {WITNESS_MAX} "
+                             f"bytes, got {mine!r:.40}")
         self.backend = backend
         self.namespace = namespace
         self.mine = mine
         self.secret = secret
         self.key = witness_key(namespace, secret)
+        backend.expect_values_up_to(object_nbytes_at_most(WITNESS_MAX))
         self.seed = namespace.seed()
         self.recheck_s = recheck_s
         self.theirs: str | None = None   # the other witness, once one was found
@@ -92,8 +104,9 @@ class Witness:
         self.refused, self.theirs = True, theirs
         self.mismatches += 1
         log.error("L3 refused: namespace %s holds the witness %s of other weights, and this engine's "
-                  "weights give %s. Different weights share one model name (model_fingerprint): give "
-                  "each its own name (or remove the store key %s once the other weights are gone). "
+                  "weights give %s. Different weights (or one checkpoint loaded at another dtype) share "
+                  "one namespace: give each its own model_fingerprint (or remove the store key %s once "
+                  "the other weights are gone). "
                   "This engine serves without L3; its answers are its own.",
                   label(self.namespace), theirs, self.mine, self.key)
 

@@ -23,6 +23,7 @@ from ..config import finite_number
 from ..engine import Request, SamplingParams
 from ..redact import redact, redact_value
 from . import routes_native, routes_openai
+from .connections import CLOSED_BY_SERVER
 from .jobs import Jobs
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import BadRequest, Job, parse_json, want
@@ -60,7 +61,10 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
     @app.exception_handler(ClientDisconnect)
     async def client_left(request, exc: ClientDisconnect):
         """The client's doing, not a fault: counted, one line, no traceback; the answer
-        goes nowhere (499 is nginx's "client closed request")."""
+        goes nowhere (499 is nginx's "client closed request"). A connection the server
+        closed itself (connections.py: to make room, on shutdown) was counted there."""
+        if request.scope.get("state", {}).get(CLOSED_BY_SERVER):
+            return Response(status_code=499)
         metrics.client_disconnects.inc()
         peer = request.client
         log.info("client %s left during its request to %s: %s", f"{peer.host}:{peer.port}" if peer else "?",
@@ -119,7 +123,7 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
             streams = await jobs.start([job])
         except BadRequest as e:
             return error(503, f"cannot generate: {e.message}")
-        await jobs.finish([job], streams, _never)
+        await jobs.finish([job], streams)
         if req.status != "finished":
             return error(503, f"generation failed: {req.error}")
         return Response(status_code=200)
@@ -145,25 +149,39 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
         return {"success": True, "closed": await runner.run(lambda: runner.close_session(sid))}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache():
+    async def flush_cache(force: bool = False):
         """Empty the device and host tiers. Whatever the write policy, what the store
         lacks of them is written down first (write_back's host-only data included), and
         it is in the store when this answers, within the storage tier's io_timeout (the
-        store itself is shared: never flushed from here)."""
+        store itself is shared: never flushed from here). A write-down the store did not
+        take keeps the tiers (503: nothing is lost) unless `?force=true`."""
         def flush():
             if engine.running or engine.waiting or engine.prefetching:
-                return False
+                return "busy"
+            storage = engine.storage
+            if storage is not None and not force:
+                if not storage.write_down():
+                    return "unwritten"
+                return "ok" if engine.cache.flush(write_down=False) else "busy"
             ok = engine.cache.flush()
             engine.flush_writes()
-            return ok
-        if await runner.run(flush):
+            return "ok" if ok else "busy"
+        outcome = await runner.run(flush)
+        if outcome == "ok":
             return PlainTextResponse("Cache flushed.\n")
+        if outcome == "unwritten":
+            log.warning("/flush_cache refused: the write-down to L3 failed or was cut short")
+            return error(503, "the cache was not flushed: writing it down to L3 failed or took longer than "
+                              "io_timeout (see uniradix_storage_errors_total), and flushing would lose what only "
+                              "the device and host tiers hold; retry, or POST /flush_cache?force=true to drop it",
+                         {"Retry-After": "1"})
         return error(400, "cannot flush the cache while requests are running; retry when idle")
 
     @app.get("/get_server_info")
     async def server_info():
-        return redact_value("", {"version": _version(), **engine_settings, **config.as_dict(),
-                                 "model_name": model_name})
+        # every name here is a declared setting (its secrets hidden by as_dict): only texts are masked
+        shown = {"version": _version(), **engine_settings, **config.as_dict(), "model_name": model_name}
+        return {k: redact_value("", v) for k, v in shown.items()}
 
     @app.get("/get_model_info")
     async def model_info():
@@ -227,10 +245,6 @@ class Guard:
             return error(413, f"the request body is {size} bytes; the limit is {cfg.max_request_bytes} "
                               f"(--max-request-bytes)")
         return None
-
-
-async def _never() -> bool:
-    return False
 
 
 def _version() -> str:

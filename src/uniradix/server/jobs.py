@@ -1,15 +1,23 @@
 """The HTTP side of a request's life, shared by both APIs: prepare on the handler's
 thread (checks and tokenizing, so bad input is a 4xx before anything is queued), admit
 against the queue limit, hand to the scheduler, then wait for the end (or stream), and
-abort whatever is left when the client goes away."""
+abort whatever is left when the client goes away: its doing, counted
+(uniradix_client_disconnects) and logged in one info line, as a client that leaves
+mid-body is (app.py), unless the server closed the connection itself (connections.py
+counted that)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import uuid
 
+from .connections import CLOSED_BY_SERVER
 from .protocol import BadRequest, Job
 from .runner import EngineRunner, Stream
 from .textout import TextOut
+
+log = logging.getLogger("uniradix.server")
 
 
 class Jobs:
@@ -54,23 +62,60 @@ class Jobs:
                     why = why.replace(engine_name, api_name)
                 raise BadRequest(why)
 
-    async def finish(self, jobs: list[Job], streams: list[Stream], disconnected) -> list[TextOut]:
-        """Wait until every stream ends; aborts them all if `disconnected()` says the
-        client left. Returns each job's final text."""
+    async def finish(self, jobs: list[Job], streams: list[Stream], request=None) -> list[TextOut]:
+        """Wait until every stream ends; if the client of `request` (an HTTP request)
+        leaves first, what is left is aborted (`left`). Returns each job's final text."""
         outs = [self.text_out(j) for j in jobs]
         pending = {asyncio.ensure_future(self._drain(s, o)): s for s, o in zip(streams, outs)}
+        gone = False
         try:
             while pending:
                 done, _ = await asyncio.wait(pending, timeout=0.5)
                 for t in done:
                     pending.pop(t)
-                if pending and await disconnected():
+                if pending and request is not None and await request.is_disconnected():
+                    gone = True
                     break
         finally:
-            for t, s in pending.items():
+            for t in pending:
                 t.cancel()
-                self.runner.abort(s.req)
+            unfinished = [s.req for s in pending.values()]
+            if gone:
+                self.left(request, unfinished, "while it waited for its answer")
+            else:
+                self.abort(unfinished)
         return outs
+
+    @contextlib.contextmanager
+    def streaming(self, request, unfinished):
+        """Around a streamed answer's generator: if it stops early, the requests
+        `unfinished()` names are aborted; stopped from outside (cancelled or closed:
+        the client went away) it is the client leaving (`left`)."""
+        try:
+            yield
+        except Exception:
+            self.abort(unfinished())
+            raise
+        except BaseException:
+            self.left(request, unfinished(), "mid-stream")
+            raise
+
+    def abort(self, reqs) -> None:
+        for req in reqs:
+            self.runner.abort(req)
+
+    def left(self, request, reqs, when: str) -> None:
+        """The client of `request` went away `when`: its unfinished requests are aborted
+        and, unless the server closed the connection itself, it is counted and logged."""
+        self.abort(reqs)
+        if not reqs or request.scope.get("state", {}).get(CLOSED_BY_SERVER):
+            return
+        if self.runner.metrics is not None:
+            self.runner.metrics.client_disconnects.inc()
+        peer = request.client
+        log.info("client %s left during its request to %s: it left %s (%d request%s aborted)",
+                 f"{peer.host}:{peer.port}" if peer else "?", request.url.path, when, len(reqs),
+                 "" if len(reqs) == 1 else "s")
 
     async def _drain(self, s: Stream, out: TextOut) -> None:
         while True:

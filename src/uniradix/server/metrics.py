@@ -14,8 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-#: why the server closes a connection before its request is in
-CLOSE_REASONS = ("header_timeout", "body_timeout", "evicted")
+#: why the server closes a connection (connections.py, and the app's body reader)
+CLOSE_REASONS = ("header_timeout", "body_timeout", "evicted", "write_timeout", "shutdown", "bad_request")
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -42,6 +42,11 @@ STORAGE_COUNTERS = {
                              "again at their path's next write)"),
     "storage_witness_mismatch": ("storage_witness_mismatches", "L3 namespaces found holding other weights' "
                                  "witness (L3 is then refused to this server)"),
+    "storage_prefetches": ("storage_prefetches", "L3 reads started for a request"),
+    "storage_prefetch_abandoned": ("storage_prefetches_abandoned", "L3 reads given up at their prefetch "
+                                   "policy's deadline (the request computed instead)"),
+    "storage_writes_dropped": ("storage_writes_dropped", "L3 writes dropped unwritten (the store fell behind "
+                               "by more than the write queue holds)"),
 }
 
 
@@ -60,9 +65,12 @@ class ServerMetrics:
                              registry=r)
         self.connections_open = Gauge("uniradix_connections_open", "HTTP connections open", registry=r)
         self.connections_closed = Counter(
-            "uniradix_connections_closed", "connections the server closed before their request was in, by why: "
-            "header_timeout (no whole request head within --request-header-timeout), body_timeout (no whole body "
-            "within --request-body-timeout), evicted (waiting longest for a request head at --max-connections)",
+            "uniradix_connections_closed", "connections the server closed, by why: header_timeout (no whole "
+            "request head within --request-header-timeout), body_timeout (no whole body within "
+            "--request-body-timeout), evicted (waiting longest for a request head, or sending a body longest, at "
+            "--max-connections), write_timeout (the client read none of its answer for --response-write-timeout), "
+            "shutdown (a body still arriving on shutdown, or a client still not reading past --graceful-timeout), "
+            "bad_request (bytes that are not HTTP: answered 400)",
             ["reason"], registry=r)
         for reason in CLOSE_REASONS:  # every reason shows from the start, at 0
             self.connections_closed.labels(reason)
@@ -70,7 +78,8 @@ class ServerMetrics:
             "uniradix_connections_refused", "connections answered 503 at --max-connections, every open one "
             "busy with a request", registry=r)
         self.client_disconnects = Counter(
-            "uniradix_client_disconnects", "requests whose client left before sending the whole body",
+            "uniradix_client_disconnects", "requests whose client left before their whole answer went out "
+            "(mid-body, while waiting for a whole response, mid-stream); not those the server cut itself",
             registry=r)
         self._snapshot: dict | None = None
         r.register(self)
@@ -106,6 +115,8 @@ class ServerMetrics:
         yield GaugeMetricFamily("uniradix_waiting_requests", "requests queued for admission", value=st["waiting"])
         yield GaugeMetricFamily("uniradix_storage_refused", "1 when L3 is refused to this server (its namespace "
                                 "holds other weights' witness: no reads, no writes)", value=st.get("storage_refused", 0))
+        yield GaugeMetricFamily("uniradix_storage_pending_writes", "L3 writes queued for the store now",
+                                value=st.get("storage_pending_writes", 0))
         yield GaugeMetricFamily("uniradix_sessions_open", "sessions open", value=s["sessions"])
         yield GaugeMetricFamily("uniradix_session_references", "sessions whose next turn the tree keeps "
                                 "referenced", value=st["cache"]["sessions"])

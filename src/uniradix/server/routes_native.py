@@ -43,32 +43,32 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
             j.rid = j.rid or new_id()
         streams = await jobs.start(batch, {"stop_ids": "stop_token_ids"})
         if stream:
-            return StreamingResponse(_sse(jobs, batch, streams, batched), media_type="text/event-stream")
-        outs = await jobs.finish(batch, streams, request.is_disconnected)
+            return StreamingResponse(_sse(jobs, batch, streams, batched, request), media_type="text/event-stream")
+        outs = await jobs.finish(batch, streams, request)
         check_outcome(batch)
         res = [result(j, o) for j, o in zip(batch, outs)]
         return JSONResponse(res if batched else res[0])
 
 
-async def _sse(jobs: Jobs, batch: list[Job], streams, batched: bool):
+async def _sse(jobs: Jobs, batch: list[Job], streams, batched: bool, request):
     """Chunks in arrival order across the batch; each names its prompt by `index`."""
     outs = [jobs.text_out(j) for j in batch]
     getters = {asyncio.ensure_future(s.get()): i for i, s in enumerate(streams)}
     try:
-        while getters:
-            done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                i = getters.pop(t)
-                ids, finished = t.result()
-                before = (len(outs[i].ids), outs[i].shown)
-                outs[i].update(ids, finished)
-                if not finished:
-                    getters[asyncio.ensure_future(streams[i].get())] = i
-                if finished or (len(outs[i].ids), outs[i].shown) != before:
-                    chunk = result(batch[i], outs[i], finished, i if batched else None)
-                    yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:  # the client went away (or the server stops): what is left is aborted
-        for t, i in getters.items():
+        with jobs.streaming(request, lambda: [streams[i].req for i in getters.values()]):
+            while getters:
+                done, _ = await asyncio.wait(getters, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    i = getters.pop(t)
+                    ids, finished = t.result()
+                    before = (len(outs[i].ids), outs[i].shown)
+                    outs[i].update(ids, finished)
+                    if not finished:
+                        getters[asyncio.ensure_future(streams[i].get())] = i
+                    if finished or (len(outs[i].ids), outs[i].shown) != before:
+                        chunk = result(batch[i], outs[i], finished, i if batched else None)
+                        yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+    finally:  # what is left (the client went away) was aborted by jobs.streaming
+        for t in getters:
             t.cancel()
-            jobs.runner.abort(streams[i].req)

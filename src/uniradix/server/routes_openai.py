@@ -64,9 +64,9 @@ async def _respond(request, jobs: Jobs, batch: list[Job], stream: bool, include_
     rid = new_id("chatcmpl-" if kind == "chat.completion" else "cmpl-")
     created = int(time.time())
     if stream:
-        return StreamingResponse(_sse(jobs, batch[0], streams[0], include_usage, kind, rid, created, name),
+        return StreamingResponse(_sse(jobs, batch[0], streams[0], include_usage, kind, rid, created, name, request),
                                  media_type="text/event-stream")
-    outs = await jobs.finish(batch, streams, request.is_disconnected)
+    outs = await jobs.finish(batch, streams, request)
     check_outcome(batch)
     choices = []
     for i, (job, out) in enumerate(zip(batch, outs)):
@@ -80,7 +80,8 @@ async def _respond(request, jobs: Jobs, batch: list[Job], stream: bool, include_
                          "usage": usage([j.req for j in batch])})
 
 
-async def _sse(jobs: Jobs, job: Job, s, include_usage: bool, kind: str, rid: str, created: int, name: str):
+async def _sse(jobs: Jobs, job: Job, s, include_usage: bool, kind: str, rid: str, created: int, name: str,
+               request):
     chat = kind == "chat.completion"
     obj = "chat.completion.chunk" if chat else "text_completion"
     out = jobs.text_out(job)
@@ -98,7 +99,7 @@ async def _sse(jobs: Jobs, job: Job, s, include_usage: bool, kind: str, rid: str
         return f"data: {json.dumps(body)}\n\n"
 
     finished = False
-    try:
+    with jobs.streaming(request, lambda: [] if finished else [job.req]):  # aborts it if the stream stops early
         if chat:
             yield chunk(None, None, role=True)
         while not finished:
@@ -110,6 +111,3 @@ async def _sse(jobs: Jobs, job: Job, s, include_usage: bool, kind: str, rid: str
         if include_usage:
             yield chunk(None, None, usage([job.req]))
         yield "data: [DONE]\n\n"
-    finally:
-        if not finished:
-            jobs.runner.abort(job.req)

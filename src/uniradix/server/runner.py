@@ -64,6 +64,7 @@ class EngineRunner:
         self._running = 0
         self.output_tokens = 0
         self.failure: BaseException | None = None
+        self.stop_deadline: float | None = None   # time.monotonic() the first stop asked to end by
 
     # ------------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -108,7 +109,10 @@ class EngineRunner:
         seconds (less WRITE_DOWN_SHARE of it where there is an L3), then abort the rest
         (their clients get an abort, not a cut), write the tiers down to L3 in what is
         left of `timeout` and end the thread. Returns at once (a signal handler calls it)."""
-        self._put(("stop", time.monotonic() + timeout))
+        deadline = time.monotonic() + timeout
+        if self.stop_deadline is None:
+            self.stop_deadline = deadline
+        self._put(("stop", deadline))
 
     def stop(self, timeout: float = 30.0) -> None:
         """request_stop, then wait for the thread to end."""

@@ -12,6 +12,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from dataclasses import replace
 
 
@@ -54,7 +55,7 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
     import uvicorn
 
     from .app import build_app
-    from .connections import Limits, connection_budget, limited_protocol
+    from .connections import ClientFaultsAtInfo, Limits, connection_budget, limited_protocol
     from .metrics import ServerMetrics
     from .runner import EngineRunner
     _configure_logging()
@@ -67,28 +68,50 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
     # on a signal the runner gets the graceful deadline: it aborts what is still running
     # then, so every handler answers (503, or an aborted stream's last chunk) before
     # uvicorn's own, later deadline would cut connections
-    limits = Limits(config.request_header_timeout, budget.max_connections, metrics)
+    limits = Limits(config.request_header_timeout, budget.max_connections, metrics, config.response_write_timeout,
+                    config.graceful_timeout)
     server = _server_class()(uvicorn.Config(app, log_level="warning", lifespan="off",
                                            http=limited_protocol(limits), backlog=budget.backlog,
                                            timeout_keep_alive=config.timeout_keep_alive,
                                            timeout_graceful_shutdown=config.graceful_timeout + 10),
                              lambda: runner.request_stop(config.graceful_timeout))
     _configure_logging()  # uvicorn's handlers exist now: they mask secrets too
+    logging.getLogger("uvicorn.error").addFilter(ClientFaultsAtInfo())
     shown = {**engine_settings, **config.as_dict()}
     logging.getLogger("uniradix.server").info("settings: %s", json.dumps(shown, default=str))
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal before uvicorn takes over stops it too
         signal.signal(sig, server.handle_exit)
     host, port = sock.getsockname()[:2]
-    print(f"uniradix serve: {model_name} on http://{host}:{port}", flush=True)
+    _say(f"uniradix serve: {model_name} on http://{host}:{port}")
     try:
         server.run(sockets=[sock])
     finally:
         runner.stop(timeout=0.0)  # uvicorn waited for the running requests already
         if engine.storage is not None:
-            engine.storage.backend.close()
+            _close_backend(engine.storage, runner.stop_deadline)
         sock.close()
-    print("uniradix serve: stopped", flush=True)
+    _say("uniradix serve: stopped")
     return 0 if runner.failure is None else 1
+
+
+def _close_backend(storage, deadline: float | None) -> None:
+    """Close the L3 backend within what is left of the graceful timeout (without a stop
+    asked for, the tier's io_timeout): a store that hangs leaves its close behind, and
+    the process ends without waiting for it (uniradix.cli.main)."""
+    from ..hicache.io_threads import call_within
+    left = storage.io_timeout if deadline is None else max(0.0, deadline - time.monotonic())
+    if not call_within(storage.backend.close, left):
+        logging.getLogger("uniradix.server").warning(
+            "closing the L3 backend did not end within the graceful timeout: left behind")
+
+
+def _say(line: str) -> None:
+    """A line on stdout in one write: stderr reaches the same terminal or pipe through
+    the masking relay (uniradix.stderr_relay) at its own pace, and print's two writes
+    (unbuffered, PYTHONUNBUFFERED) could let a log line in between, gluing it to the
+    address a supervisor reads."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _configure_logging() -> None:

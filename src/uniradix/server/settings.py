@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import Settings, count, number, optional, setting, text
+from ..config import Settings, count, declare_plain_settings, number, optional, setting, text
 
 
 def _port(v):
@@ -42,7 +42,15 @@ class ServerConfig(Settings):
     request_body_timeout: float = setting(
         60.0, "seconds a client has to send a whole request body once its head is in (408 beyond)",
         check=number(above=0))
+    response_write_timeout: float = setting(
+        60.0, "seconds a response may wait for a client that reads none of it (its socket full); the "
+              "connection is then cut and its request aborted", check=number(above=0))
     max_connections: int | None = setting(
         None, "HTTP connections open at once (default: 1024, or what the file descriptor limit leaves room "
               "for); at the limit the connection waiting longest for a request head is closed to make "
-              "room, or, with every one busy, the new one is answered 503 and closed", check=optional(count()))
+              "room, else the one sending its request body longest (answered 503), else the one whose "
+              "client has read nothing longest, or, with every one holding a whole request and a client that "
+              "reads, the new one is answered 503 and closed", check=optional(count()))
+
+
+declare_plain_settings(ServerConfig)  # its names shown wherever text is masked (api_key: secret)

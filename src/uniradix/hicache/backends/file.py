@@ -9,11 +9,12 @@ directory is a ValueError at start-up.
 
 Only regular files are read: an entry is looked at with lstat and opened with
 O_NOFOLLOW | O_NONBLOCK (then fstat), so a FIFO, a socket, a device, a symbolic link or
-a directory under a key's name never blocks a read and is never followed. Such an entry
-is unreadable: a miss, counted (unreadable, errors), warned about, and removed, so the
-next write of that key stores it. A read on a filesystem that hangs (a network mount
-gone away) blocks only the storage tier's I/O thread that made it, never the scheduler
-(see hicache.l3)."""
+a directory under a key's name never blocks a read and is never followed, and a file
+larger than any value its readers store (`max_value_bytes`: a sparse or extended file)
+is never read into memory. Such an entry is unreadable: a miss, counted (unreadable,
+errors), warned about, and removed, so the next write of that key stores it. A read on
+a filesystem that hangs (a network mount gone away) blocks only the storage tier's I/O
+thread that made it, never the scheduler (see hicache.l3)."""
 from __future__ import annotations
 
 import errno
@@ -88,11 +89,14 @@ class FileBackend(StorageBackend):
         self._unreadable(f, st.st_mode)
         return False
 
-    def _unreadable(self, f: str, mode: int) -> None:
-        """Something not written here sits under a key's name: counted, warned about, and
-        removed, so that the key can be stored again (rather than block its prefix)."""
+    def _unreadable(self, f: str, mode: int, size: int | None = None) -> None:
+        """Something not written here sits under a key's name (an entry that is not a
+        regular file, or one of `size` bytes, larger than any value stored here):
+        counted, warned about, and removed, so that the key can be stored again (rather
+        than block its prefix)."""
         self._count(errors=1, unreadable=1)
-        what = _entry_kind(mode)
+        what = _entry_kind(mode) if size is None else (f"{size}-byte file (no stored object is larger than "
+                                                       f"{self.max_value_bytes} bytes)")
         try:
             if stat.S_ISDIR(mode):   # renamed first: of two engines removing it, one does
                 aside = os.path.join(self.path, f".{os.path.basename(f)[:16]}.{uuid.uuid4().hex}.tmp")
@@ -108,14 +112,23 @@ class FileBackend(StorageBackend):
             return
         self.failure_log.failure("unreadable entries", "%s was a %s, not a stored object: removed", f, what)
 
+    def _oversized(self, st: os.stat_result) -> bool:
+        limit = self.max_value_bytes
+        return limit is not None and st.st_size > limit
+
     def _read(self, f: str) -> bytes | None:
-        """The bytes of the regular file f; None when absent or unreadable (removed)."""
+        """The bytes of the regular file f; None when absent or unreadable (removed): not
+        a regular file, or larger than any value stored here (max_value_bytes; never
+        read into memory)."""
         try:
             st = os.lstat(f)
         except (FileNotFoundError, NotADirectoryError):
             return None
         if not stat.S_ISREG(st.st_mode):
             self._unreadable(f, st.st_mode)
+            return None
+        if self._oversized(st):
+            self._unreadable(f, st.st_mode, st.st_size)
             return None
         try:
             fd = os.open(f, _READ_FLAGS)
@@ -126,11 +139,16 @@ class FileBackend(StorageBackend):
                 raise
             return self._swapped(f)   # replaced by a link, a socket or a directory since the lstat
         with os.fdopen(fd, "rb") as fh:
-            mode = os.fstat(fh.fileno()).st_mode
-            if not stat.S_ISREG(mode):   # replaced by a FIFO or a device since the lstat
-                self._unreadable(f, mode)
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):   # replaced by a FIFO or a device since the lstat
+                self._unreadable(f, st.st_mode)
                 return None
-            return fh.read()
+            limit = self.max_value_bytes
+            data = fh.read() if limit is None else fh.read(limit + 1)
+            if limit is not None and len(data) > limit:   # replaced or grown since the lstat
+                self._unreadable(f, st.st_mode, max(os.fstat(fh.fileno()).st_size, len(data)))
+                return None
+            return data
 
     def _swapped(self, f: str) -> None:
         try:

@@ -275,11 +275,15 @@ class MooncakeBackend(StorageBackend):
         self._closed = False
         self._store = None
         self._suspect = False   # the last call failed to reach the master: probe first
+        # bumped each time the master answers again after a call failed to reach it (it
+        # may have restarted, and a new master knows no objects): the storage tier then
+        # believes nothing stored and checks the witness again
+        self.generation = 0
         self._hung = 0          # calls abandoned past op_timeout, still inside the client
         self._calls = DaemonThreads(MAX_HUNG + 4, "uniradix-mooncake")
         self.counters = dict.fromkeys(("gets", "hits", "sets", "set_failures", "errors",
                                        "bytes_written", "bytes_read", "exists_calls", "deletes",
-                                       "connects"), 0)
+                                       "connects", "unreadable"), 0)
         self.failure_log = LogLimiter(log, f"mooncake backend (master {self.master})")
         try:
             self._connect()
@@ -331,6 +335,7 @@ class MooncakeBackend(StorageBackend):
         with self._lock:
             self._store = store
             self._suspect = False
+            self.generation += bool(self.counters["connects"])
             self.counters["connects"] += 1
 
     @contextlib.contextmanager
@@ -353,7 +358,9 @@ class MooncakeBackend(StorageBackend):
             elif self._suspect:
                 self._probe()
                 with self._lock:
-                    self._suspect = False
+                    if self._suspect:
+                        self._suspect = False
+                        self.generation += 1
             yield self._store
         finally:
             with self._lock:
@@ -491,13 +498,34 @@ class MooncakeBackend(StorageBackend):
                     break
                 first = False
                 pending = again
+        nbytes = sum(len(v) for v in out if v is not None)
+        oversized = self._drop_oversized(names, out)
         hits = sum(v is not None for v in out)
         if unreadable:
             self.failure_log.failure("failed reads", "%d of %d objects present could not be read",
                                      unreadable, len(names), count=unreadable)
-        self._count(gets=len(names), hits=hits, errors=unreadable,
-                    bytes_read=sum(len(v) for v in out if v is not None))
+        self._count(gets=len(names), hits=hits, errors=unreadable + oversized, unreadable=oversized,
+                    bytes_read=nbytes)
         return out
+
+    def _drop_oversized(self, names: list[str], out: list) -> int:
+        """Values larger than any its readers store (max_value_bytes; the local buffer
+        bounds what a get can bring) are no stored object: misses, removed so that the
+        next write stores the key again. Returns how many."""
+        limit = self.max_value_bytes
+        if limit is None:
+            return 0
+        big = [i for i, v in enumerate(out) if v is not None and len(v) > limit]
+        for i in big:
+            self.failure_log.failure("unreadable entries", "%s holds %d bytes, more than any stored object "
+                                     "(%d): removed", names[i], len(out[i]), limit)
+            out[i] = None
+            try:
+                with self._op() as store:
+                    self._rpc(store.remove, names[i], True)
+            except StorageUnavailable as e:
+                self.failure_log.failure("failed deletes", "removing %s failed: %s", names[i], e)
+        return len(big)
 
     def batch_set(self, keys: list[str], values: list[bytes]) -> list[bool]:
         if len(keys) != len(values):
@@ -608,14 +636,16 @@ class MooncakeBackend(StorageBackend):
                     connected=connected)
 
     def close(self) -> None:
-        """Wait for the calls in flight, then close the client (its segment, and the
-        objects the master placed there, leave the store)."""
+        """Wait for the calls in flight (each ends within op_timeout: returned, or given
+        up and left running), then close the client (its segment, and the objects the
+        master placed there, leave the store). Calls given up already are not waited
+        for: they may never return."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             deadline = time.monotonic() + self.settings["op_timeout"]
-            while (self._inflight or self._hung) and time.monotonic() < deadline:
+            while self._inflight and time.monotonic() < deadline:
                 self._idle.wait(deadline - time.monotonic())
             busy = self._inflight + self._hung
             store, self._store = self._store, None

@@ -8,8 +8,9 @@ per key, in one pipeline). A server that cannot be reached or does not answer wi
 SET (OOM under `maxmemory` with `noeviction`, a read-only replica) stores nothing for
 that key and reports False for it, counted in set_failures and warned about once (then
 in summaries, see log_limit.py). A value of another type under a key's name (GET
-answers WRONGTYPE) is an unreadable entry: a miss, counted (unreadable, errors) and
-deleted, so the next write of that key stores it again.
+answers WRONGTYPE), or one larger than any its readers store (`max_value_bytes`: only
+that much of it is read), is an unreadable entry: a miss, counted (unreadable, errors)
+and deleted, so the next write of that key stores it again.
 
 L3 eviction belongs to the server: give it a `maxmemory` and an eviction policy
 (`allkeys-lru`, say) if it should drop old objects rather than refuse new ones.
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
+import weakref
 from ...redact import redact
 from ..log_limit import LogLimiter
 from ..storage import KEY_RE, StorageBackend, StorageUnavailable, check_key
@@ -88,14 +91,29 @@ class RedisBackend(StorageBackend):
                                        "bytes_written", "bytes_read", "exists_calls", "deletes",
                                        "bad_replies", "unreadable"), 0)
         self.failure_log = LogLimiter(log, f"redis backend at {self.safe_url}")
+        # bumped when a connection that was open connects again (the server restarted or
+        # dropped it: what it held may be gone); the storage tier then believes nothing
+        # stored and checks the witness again
+        self.generation = 0
+        self._seen = weakref.WeakSet()
         try:
             # One retry, only for a dropped connection (a pooled socket the server closed,
             # after a restart say); a timeout is never retried, so a call waits at most
             # about socket_timeout per round trip.
             self.pool = redis.ConnectionPool.from_url(
                 url, socket_timeout=self.socket_timeout, socket_connect_timeout=self.socket_timeout,
-                retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)))
-        except (ValueError, TypeError) as e:
+                retry=Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,)),
+                redis_connect_func=self._connected)
+            # redis-py takes every query key of the URL as a connection setting and refuses
+            # one it does not know (?PASSWORD=, its names are lower case) only when it first
+            # connects, a TypeError: a connection object, made without connecting, says so now
+            self.pool.connection_class(**self.pool.connection_kwargs)
+        except TypeError as e:
+            unknown = re.search(r"unexpected keyword argument '([^']*)'", str(e))
+            what = f"unknown query option {unknown.group(1)!r} (redis-py's are lower case: password, db, " \
+                   f"username, ...)" if unknown else str(e)
+            raise ValueError(f"redis backend: bad url {self.safe_url!r}: {what}") from None
+        except ValueError as e:
             raise ValueError(f"redis backend: bad url {self.safe_url!r}: {e}") from e
         self.client = redis.Redis(connection_pool=self.pool)
         # Say early if the server is not there, but do not fail: the engine keeps serving
@@ -106,6 +124,16 @@ class RedisBackend(StorageBackend):
             log.warning("%s; L3 calls fail until it answers", e)
 
     # ------------------------------------------------------------------ plumbing
+    def _connected(self, conn) -> None:
+        """redis-py's hook once a connection's socket is up: finish the handshake, and
+        count a reconnect (a new connection for a busier pool is none)."""
+        conn.on_connect()
+        with self._lock:
+            if conn in self._seen:
+                self.generation += 1
+            else:
+                self._seen.add(conn)
+
     def _k(self, key: str) -> str:
         return self.prefix + check_key(key)
 
@@ -164,10 +192,23 @@ class RedisBackend(StorageBackend):
         return self._exists(keys)
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
+        """GET per key, in one pipeline; with max_value_bytes, GETRANGE up to one byte
+        past the bound instead, so that a larger value costs no more than that (it is
+        unreadable: a miss, counted, deleted). GETRANGE answers an empty value and a
+        missing key alike: those few are told apart by EXISTS, in a second round trip."""
         names = [self._k(k) for k in keys]
         if not names:
             return []
-        replies = self._pipeline(lambda p: [p.get(n) for n in names])
+        limit = self.max_value_bytes
+        if limit is None:
+            replies = self._pipeline(lambda p: [p.get(n) for n in names])
+        else:
+            replies = self._pipeline(lambda p: [p.getrange(n, 0, limit) for n in names])
+            empty = [i for i, r in enumerate(replies) if r == b""]
+            if empty:
+                there = self._pipeline(lambda p: [p.exists(names[i]) for i in empty])
+                for i, e in zip(empty, there):
+                    replies[i] = b"" if e is True or e == 1 else None
         out: list[bytes | None] = []
         hits = nbytes = bad = 0
         foreign = []
@@ -180,6 +221,12 @@ class RedisBackend(StorageBackend):
                     foreign.append(n)
                 out.append(None)
             elif r is None:
+                out.append(None)
+            elif limit is not None and len(r) > limit:
+                self.failure_log.failure("failed reads", "%s holds more than %d bytes, more than any stored "
+                                         "object: not read", n, limit)
+                bad += 1
+                foreign.append(n)
                 out.append(None)
             else:
                 hits += 1
