@@ -3,6 +3,7 @@
 same weights in another layout still share; two engines starting at once agree on one
 witness; a store that is down at start delays nothing; a store later claimed by other
 weights is noticed."""
+import json
 import logging
 import random
 import sys
@@ -62,6 +63,9 @@ def test_same_name_other_weights_reads_nothing_and_answers_right(tmp_path, polic
     assert s["storage_refused"] == 1 and s["storage_witness_mismatch"] == 1
     assert s["storage_loads"] == 0 and s["storage_saved_objects"] == 0
     assert s["storage"]["witness"]["state"] == "refused"
+    from uniradix.redact import redact
+    shown = redact(json.dumps(s["storage"]))  # as `uniradix run --json` prints it: the witness is no secret
+    assert s["storage"]["witness"]["stored_as"] in shown and s["storage"]["witness"]["theirs"] in shown
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1, errors
     assert NAME in errors[0] and weights_witness(mine) in errors[0] and weights_witness(other) in errors[0]

@@ -406,6 +406,6 @@ class StorageTier:
         c["storage_witness_mismatch"] = 0 if w is None else w.mismatches
         c["storage_refused"] = int(self.refused)
         if w is not None:
-            storage["witness"] = dict(state=w.state, key=w.key, mine=w.mine, theirs=w.theirs)
+            storage["witness"] = dict(state=w.state, stored_as=w.key, mine=w.mine, theirs=w.theirs)  # "key" would read as a secret
         c["storage"] = storage
         return c
