@@ -72,7 +72,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(f"uniradix run: {what} ({layers}), page size {a.page_size}, "
           f"{wl.clients} clients x {wl.rounds} rounds, {wl.tokens_per_round} new tokens and "
           f"{wl.output_tokens} output tokens per round, shared prefix {wl.shared_prefix_tokens}"
-          f"{', chat' if chat else ''}, cache {'off' if a.disable_radix_cache else 'on'}, device {engine.device}")
+          f"{', chat' if chat else ''}, cache {'off' if a.disable_radix_cache else 'on'}, device {engine.device}",
+          file=sys.stderr if a.json else sys.stdout)  # with --json, stdout is the JSON document alone
     bar = None
     if not a.no_progress:
         from tqdm import tqdm

@@ -48,7 +48,9 @@ def test_run_prints_rounds_as_json(capsys):
     rc = main(["run", "--clients", "2", "--rounds", "3", "--tokens-per-round", "8", "--output-tokens", "2",
                "--shared-prefix-tokens", "4", "--page-size", "4", "--no-progress", "--json"])
     assert rc == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    printed = capsys.readouterr()
+    out = json.loads(printed.out)  # stdout is one JSON document; the header line goes to stderr
+    assert "uniradix run: tiny-hybrid" in printed.err
     rounds = out["rounds"]
     assert len(rounds) == 3
     assert rounds[0]["cached_tokens"] == 0 and rounds[2]["cached_tokens"] > 0
