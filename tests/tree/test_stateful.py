@@ -386,6 +386,9 @@ class RadixTreeMachine(RuleBasedStateMachine):
         assert (ref.matched, ref.boundary, ref.deepest) == (matched, best, deepest), (ref, best, deepest)
         if not (any(missing[:2]) or missing[2]):
             assert ref.handles == handles, (ref.handles, handles)
+        before = (self.tree.num_nodes, self.tree.clock)
+        assert self.tree.reusable(tokens, salt, host=host) == best  # the scheduler's question
+        assert (self.tree.num_nodes, self.tree.clock) == before, "reusable changed the tree"
         m = self.tree.match(tokens, salt, prio, lock=lock, host=host)
         assert m.matched == matched, f"matched {m.matched}, brute force {matched}"
         assert m.boundary == best, (

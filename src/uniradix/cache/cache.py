@@ -192,6 +192,11 @@ class UnifiedRadixCache(Running, Finishing):
             self.pools[ci].copy_slot(src[0], slot)
         return []
 
+    def reusable(self, tokens, salt=None) -> int:
+        """The boundary `match_prefix(tokens, salt)` would resume at now (host data
+        included), changing nothing: no lock, no split, no access counted."""
+        return self.tree.reusable(tokens, salt)
+
     def zero_state(self, state: RequestState) -> None:
         """A request that resumes from nothing starts from a zero recurrent state."""
         if state.state_slot is not None and state.prefix_len == 0 and hasattr(self.pools[self.ckpt.index],

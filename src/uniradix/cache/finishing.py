@@ -6,19 +6,26 @@ from array import array
 
 from ..tree import LockReceipt
 from ..tree.component import page_floor
-from ..tree.keys import check_session_id
+from ..tree.keys import TOKEN_BYTES, check_session_id
 from .request import RequestState
 
 
 class Finishing:
     """UnifiedRadixCache's end of a request (a mixin: the state lives on the cache)."""
 
-    def cache_unfinished(self, req: RequestState, checkpoints: dict[int, int] | None = None) -> None:
-        """Insert what the running request has so far; it keeps going on the tree's copy."""
+    def cache_unfinished(self, req: RequestState, checkpoints: dict[int, int] | None = None,
+                         upto: int | None = None) -> None:
+        """Insert what the running request has so far (with `upto`, its first `upto`
+        tokens: page-aligned, computed, and the window and checkpoint a resume there
+        needs still its own: see `shareable`); it keeps going on the tree's copy, and
+        its checkpoints past the insert stay its own to capture."""
         if checkpoints:
             req.checkpoints.update(checkpoints)
+        if upto is not None and (upto % self.page_size or upto > req.computed or upto > req.allocated):
+            raise ValueError(f"cannot cache the first {upto} tokens: {req.computed} computed, "
+                             f"{req.allocated} allocated, page {self.page_size}")
         old = req.receipt
-        req.node, req.receipt = self._insert(req, finished=False)
+        req.node, req.receipt = self._insert(req, finished=False, upto=upto)
         self._unlock(old)
 
     def cache_finished(self, req: RequestState, session_id=None) -> object:
@@ -63,10 +70,11 @@ class Finishing:
     def _unlock(self, rc: LockReceipt) -> None:
         self.ledger.free(self.tree.unlock(rc))
 
-    def _insert(self, req: RequestState, finished: bool):
+    def _insert(self, req: RequestState, finished: bool, upto: int | None = None):
         P = self.page_size
-        n = page_floor(req.allocated, P)
+        n = page_floor(req.allocated if upto is None else upto, P)
         npages = n // P
+        key = req.key if upto is None else req.key[:n * TOKEN_BYTES]
         values = {}
         for c in self.page_comps:
             pages = req.pages[c.name]
@@ -76,7 +84,7 @@ class Finishing:
         if self.ckpt is not None:
             values[self.ckpt.name] = self._checkpoints_to_insert(req, n, finished)
         points = (req.junction, *req.resume_points) if req.resume_points else req.junction
-        r = self.tree.insert(req.key, values, req.prefix_len, points, req.salt, req.priority, not finished)
+        r = self.tree.insert(key, values, req.prefix_len, points, req.salt, req.priority, not finished)
         self.ledger.free(r.free)
         node = r.node
         req.prefix_len = n
@@ -97,6 +105,11 @@ class Finishing:
         """The request's checkpoints, and its own state slot at the cached end when the
         state is there (positions that cannot take one come back from the tree freed)."""
         ck, req.checkpoints = req.checkpoints, {}
+        if not finished:  # the ones past the insert are still to be captured
+            req.checkpoints = {p: s for p, s in ck.items() if p > n}
+            ck = {p: s for p, s in ck.items() if p <= n}
+            if req.rolling is not None and req.rolling not in req.checkpoints:
+                req.rolling = None  # the tree has it now: the next page boundary takes a new one
         slot = req.state_slot
         if finished and slot is not None:
             req.state_slot = None

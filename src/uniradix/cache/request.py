@@ -24,11 +24,14 @@ class RequestState:
     {position: slot} captured (or to capture) at page-aligned positions, `rolling` the
     position of the decode checkpoint that moves page by page, `staged` host copies of
     pages it read from L3 (its own until it is cached). `owner`: the client's request
-    (opaque to the cache); `rng`: its sampling generator."""
+    (opaque to the cache); `rng`: its sampling generator; `order`: when the scheduler
+    queued it (kept across preemption). `share_at`: positions past its prefix that
+    waiting requests share with it: each goes into the tree as soon as it is computed
+    (cache_unfinished), so they resume there instead of computing it again."""
 
     __slots__ = ("tokens", "owner", "salt", "priority", "prompt_len", "rng", "key", "computed", "prefix_len",
                  "reused", "host_tokens", "storage_tokens", "junction", "resume_points", "pages", "receipt", "node",
-                 "state_slot", "checkpoints", "rolling", "window_freed", "staged", "held")
+                 "state_slot", "checkpoints", "rolling", "window_freed", "staged", "held", "order", "share_at")
 
     def __init__(self, tokens=None, *, salt=None, priority=None, owner=None) -> None:
         self.tokens = tokens
@@ -37,6 +40,7 @@ class RequestState:
         self.priority = priority
         self.prompt_len = len(tokens) if tokens is not None else 0
         self.rng = None
+        self.order = 0
         self.clear()
 
     def clear(self) -> None:
@@ -53,6 +57,7 @@ class RequestState:
         self.rolling: int | None = None
         self.window_freed = 0
         self.staged = None
+        self.share_at: list[int] = []
         self.held = False  # the cache holds pages, locks or slots for it
 
     @property

@@ -53,6 +53,24 @@ class Running:
         req.checkpoints[pos] = slot
         return slot
 
+    def shareable(self, req: RequestState, upto: int) -> int:
+        """The deepest page-aligned position past the request's prefix, at most `upto` and
+        computed, where it still holds all a later request resuming there needs (every
+        windowed component's window before it, a captured checkpoint at it): what
+        `cache_unfinished(req, upto=...)` can hand to the tree for others to match now.
+        0 when there is none."""
+        P = self.page_size
+        top = page_floor(min(upto, req.computed, req.allocated), P)
+        if self.ckpt is not None:
+            points = req.checkpoints
+        else:
+            points = (top, req.junction, *req.resume_points)
+        for p in sorted({page_floor(x, P) for x in points}, reverse=True):
+            if req.prefix_len < p <= top and all(
+                    min(req.pages[c.name][c.window_start(p) // P: p // P], default=0) >= 0 for c in self.windowed):
+                return p
+        return 0
+
     def release_out_of_window(self, req: RequestState, upto: int | None = None) -> int:
         """Free the request's own windowed pages that fell out of the window, except the
         windows at its junction and resume points; returns how many were freed. The

@@ -8,9 +8,12 @@ the next chunk of the rest (one token when decoding) and samples when it reaches
 end. The recurrent state is captured (checkpoints) at the junction, at the prompt's
 resume point (all but its last token, page-aligned: where the same prompt sent again
 resumes) and, while decoding, at each page boundary; the window before the junction and
-the resume point is kept, so the tree can resume later requests there."""
+the resume point is kept, so the tree can resume later requests there. Requests that
+arrive together and share a prefix the cache lacks compute it once: the later ones wait
+for the first to put it in the tree (admission.py)."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -63,7 +66,10 @@ class Engine(Admission, Batching):
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []
         self.counters = dict(steps=0, finished=0, errors=0, aborted=0, preemptions=0, prefill_tokens=0, cached_tokens=0,
-                             prompt_tokens=0, decode_tokens=0, checkpoints_skipped=0, host_tokens=0)
+                             prompt_tokens=0, decode_tokens=0, checkpoints_skipped=0, host_tokens=0,
+                             shared_prefixes=0)
+        self.holding = 0  # waiting requests held at the last admission for a prefix a running one computes
+        self._queued = itertools.count(1)  # the order requests were queued in (in-batch sharing is FIFO)
         self.storage = None
         if storage is not None:
             from ..hicache.l3 import StorageTier
@@ -141,6 +147,7 @@ class Engine(Admission, Batching):
         state = RequestState(list(ids), salt=req.salt, priority=req.priority, owner=req)
         seed = req.sampling.seed
         state.rng = None if seed is None else torch.Generator().manual_seed(seed)
+        state.order = next(self._queued)
         self.waiting.append(state)
         return req
 
@@ -304,6 +311,7 @@ class Engine(Admission, Batching):
         c = dict(self.counters)
         c["hit_rate"] = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
         c["waiting"] = len(self.waiting)
+        c["holding"] = self.holding
         c["running"] = len(self.running)
         c["prefetching"] = len(self.prefetching)
         c["cache"] = self.cache.stats()

@@ -117,38 +117,7 @@ class RadixTree(Inserting, Locking, Tiers, Evicting):
         the host tier count (`host=False`: device data alone): `result.loads` lists them,
         and `result.handles` is None until they are loaded (set_device, then handles_at)."""
         key = tokens if isinstance(tokens, bytes) else encode(tokens)
-        unit = self.unit
-        nd = self.root(salt)
-        path: list[Node] = []
-        off = 0
-        nbytes = len(key) - len(key) % unit
-        while off < nbytes:
-            ch = nd.children.get(key[off:off + unit])
-            if ch is None:
-                break
-            path.append(ch)
-            if key.startswith(ch.key, off):
-                off += len(ch.key)
-                nd = ch
-            else:
-                off += common_prefix(key, off, ch.key, unit)
-                break
-        matched = off // TOKEN_BYTES
-        if self._single:
-            b = matched
-            limits = (b,)
-        else:
-            if host or not self.hosted:
-                # FULL is on every node the tree has (in some tier): it accepts all of [0, matched]
-                cur = [(0, matched)]
-            else:
-                cur = self.components[0].accepted(path, matched, False)
-            limits = [cur[-1][1]]
-            for c in self._rules:
-                a = c.accepted(path, matched, host)
-                limits.append(a[-1][1])
-                cur = intersect(cur, a)
-            b = cur[-1][1]
+        path, matched, limits, b = self._reach(key, self.root(salt), host)
         # the reuse path ends exactly at b: split the node that contains it
         cut = 0
         for x in path:
@@ -173,6 +142,48 @@ class RadixTree(Inserting, Locking, Tiers, Evicting):
         rc = self.lock(end) if lock else None  # may split at a window start: walk the path after it
         loads = self._host_only(end)
         return MatchResult(end, b, matched, None if loads else self.handles_at(end), deepest, rc, loads)
+
+    def reusable(self, tokens, salt=None, host: bool = True) -> int:
+        """The boundary a match of `tokens` would return now, changing nothing (no split,
+        no access, no lock): what a scheduler asks before deciding to wait for more."""
+        root = self.find_root(salt)
+        if root is None:
+            return 0
+        return self._reach(tokens if isinstance(tokens, bytes) else encode(tokens), root, host)[3]
+
+    def _reach(self, key: bytes, root: Node, host: bool):
+        """(path walked, tokens matched, each component's own limit, boundary): the pure
+        part of a match."""
+        unit = self.unit
+        nd = root
+        path: list[Node] = []
+        off = 0
+        nbytes = len(key) - len(key) % unit
+        while off < nbytes:
+            ch = nd.children.get(key[off:off + unit])
+            if ch is None:
+                break
+            path.append(ch)
+            if key.startswith(ch.key, off):
+                off += len(ch.key)
+                nd = ch
+            else:
+                off += common_prefix(key, off, ch.key, unit)
+                break
+        matched = off // TOKEN_BYTES
+        if self._single:
+            return path, matched, (matched,), matched
+        if host or not self.hosted:
+            # FULL is on every node the tree has (in some tier): it accepts all of [0, matched]
+            cur = [(0, matched)]
+        else:
+            cur = self.components[0].accepted(path, matched, False)
+        limits = [cur[-1][1]]
+        for c in self._rules:
+            a = c.accepted(path, matched, host)
+            limits.append(a[-1][1])
+            cur = intersect(cur, a)
+        return path, matched, limits, cur[-1][1]
 
     def _touch_path(self, path: list[Node], priority) -> None:
         """An access: LRU ticks root to leaf (deeper is newer), LFU hits, request priority."""
