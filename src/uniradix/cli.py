@@ -13,13 +13,23 @@ import sys
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The model, cache, tier and scheduler flags, generated from uniradix.config."""
-    from .config import CacheConfig, HostTierConfig, ModelSettings, SchedulerConfig, StorageConfig, add_flags
+    from .config import CacheConfig, ComputeSettings, HostTierConfig, ModelSettings, SchedulerConfig, StorageConfig, \
+        add_flags
     from .model import PRESETS
     add_flags(p, ModelSettings, "model", choices={"model_preset": sorted(PRESETS)})
+    add_flags(p, ComputeSettings, "compute")
     add_flags(p, CacheConfig, "device cache (SGLang's flag names)")
     add_flags(p, SchedulerConfig, "scheduler")
     add_flags(p, HostTierConfig, "host tier (L2)")
     add_flags(p, StorageConfig, "shared storage (L3)")
+
+
+def threads_from_args(a: argparse.Namespace) -> str:
+    """Apply --num-threads (else $OMP_NUM_THREADS, else one: uniradix.threads) before
+    anything computes; the start-up line that says it. ValueError on a bad value."""
+    from .config import ComputeSettings, from_args
+    from .threads import start_threads
+    return start_threads(from_args(ComputeSettings, a).num_threads)
 
 
 def engine_from_args(a: argparse.Namespace):
@@ -33,8 +43,11 @@ def engine_from_args(a: argparse.Namespace):
         import torch
 
         from .model.hf import load_checkpoint
-        model, weights = load_checkpoint(path, getattr(torch, a.dtype)), None
+        model, weights = load_checkpoint(path, getattr(torch, a.dtype), a.quantization), None
     else:  # the embedded model, seeded or with a safetensors file of weights
+        if a.quantization != "none":
+            raise ValueError(f"--quantization {a.quantization} applies to a checkpoint (--model-path DIR or "
+                             "model.gguf), not to the embedded model")
         model, weights = preset(a.model_preset), path
     storage = None
     if config.storage.hicache_storage_backend:
@@ -61,6 +74,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     redact_logs()  # a backend's warning or error that echoes a URL is masked
     try:
         wl = workload_from_args(a)
+        threads = threads_from_args(a)
         engine = engine_from_args(a)
     except (ValueError, OSError, ImportError, RuntimeError) as e:  # RuntimeError: StorageUnavailable
         print(f"uniradix run: {redact(e)}", file=sys.stderr)
@@ -68,12 +82,14 @@ def cmd_run(a: argparse.Namespace) -> int:
     model = engine.model
     chat = model.tokenizer if getattr(model.tokenizer, "chat_template", None) else None
     layers = " ".join(f"{spec.name} x{len(ls)}" for spec, ls in model.states().groups if ls)
-    what = a.model_preset if model.name == "reference" else f"{model.name} from {a.model_path}"
+    what = a.model_preset if model.name == "reference" else \
+        f"{model.name} from {a.model_path} in {a.dtype}" + \
+        (f", {a.quantization} linear weights" if a.quantization != "none" else "")
     print(f"uniradix run: {what} ({layers}), page size {a.page_size}, "
           f"{wl.clients} clients x {wl.rounds} rounds, {wl.tokens_per_round} new tokens and "
           f"{wl.output_tokens} output tokens per round, shared prefix {wl.shared_prefix_tokens}"
-          f"{', chat' if chat else ''}, cache {'off' if a.disable_radix_cache else 'on'}, device {engine.device}",
-          file=sys.stderr if a.json else sys.stdout)  # with --json, stdout is the JSON document alone
+          f"{', chat' if chat else ''}, cache {'off' if a.disable_radix_cache else 'on'}, device {engine.device}, "
+          f"{threads}", file=sys.stderr if a.json else sys.stdout)  # with --json, stdout is the JSON document alone
     bar = None
     if not a.no_progress:
         from tqdm import tqdm

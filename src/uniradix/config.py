@@ -276,6 +276,12 @@ class SchedulerConfig(Settings):
         check=flag_bool)
 
 
+#: the dtypes a checkpoint is served in
+DTYPES = ("float32", "bfloat16", "float16")
+#: the weight-only quantizations of its linear weights (uniradix.model.hf.quant)
+QUANTIZATIONS = ("none", "int8", "int4")
+
+
 @dataclass(frozen=True)
 class ModelSettings(Settings):
     """Which model `uniradix run` serves (an Engine takes the model itself)."""
@@ -285,8 +291,25 @@ class ModelSettings(Settings):
     model_path: str | None = setting(None, "a Hugging Face checkpoint directory or a .gguf file to serve, or a "
                                            "safetensors file of weights for the preset (default: the preset, "
                                            "seeded)", check=optional(text))
-    dtype: str = setting("float32", "weights and KV dtype of a checkpoint (bfloat16 for a GPU; recurrent "
-                                    "states stay float32)", choices=("float32", "bfloat16", "float16"))
+    dtype: str = setting("float32", "weights, activations and KV dtype of a checkpoint (bfloat16: half the "
+                                    "memory and about twice as fast on a CPU with AVX512-BF16 or a GPU; "
+                                    "recurrent states, norms, attention and routing stay float32)",
+                         choices=DTYPES)
+    quantization: str = setting("none", "weight-only quantization of a checkpoint's linear weights (the head "
+                                        "included): int8 per output channel, or int4 in groups of 32 (a "
+                                        ".gguf's Q4/Q5/Q8 weights are dequantized and quantized again); "
+                                        "multiplied by torch's own CPU kernels in bfloat16", choices=QUANTIZATIONS)
+
+
+@dataclass(frozen=True)
+class ComputeSettings(Settings):
+    """How the `uniradix run` / `serve` process computes, applied at its start (an
+    Engine made in a program leaves the caller's torch settings alone)."""
+
+    num_threads: int | None = setting(
+        None, "CPU threads torch computes with (torch.set_num_threads; default: $OMP_NUM_THREADS when set, "
+              "else 1: on a machine that runs anything else, more threads wait on each other and are slower)",
+        check=optional(count()))
 
 
 GROUPS = {"cache": CacheConfig, "host": HostTierConfig, "storage": StorageConfig,
@@ -408,7 +431,7 @@ def declare_plain_settings(cls) -> None:
         declare_plain(f.name for f in fields(cls) if "help" in f.metadata and not f.metadata.get("secret"))
 
 
-for _cls in (CacheConfig, HostTierConfig, StorageConfig, SchedulerConfig, ModelSettings):
+for _cls in (CacheConfig, HostTierConfig, StorageConfig, SchedulerConfig, ModelSettings, ComputeSettings):
     declare_plain_settings(_cls)
 
 
@@ -458,6 +481,6 @@ def parse_extra_config(text_value: str | dict | None) -> dict:
 
 
 __all__ = ["CacheConfig", "EngineConfig", "HostTierConfig", "ModelSettings", "SchedulerConfig", "StorageConfig",
-           "Settings",
+           "ComputeSettings", "Settings",
            "setting", "add_flags", "from_args", "engine_config_from_args", "parse_extra_config",
            "EVICTION_POLICIES", "WRITE_POLICIES", "PREFETCH_POLICIES", "STORAGE_BACKENDS", "replace"]

@@ -107,7 +107,10 @@ class Batching:
                 st.rolling = e
             elif self._checkpoint(st, e) is not None:
                 st.rolling = e
-        return PagedInput(st.tokens[s:e], s, st.pages, st.state_slot, st.captures(s, e))
+        # logits only where _advance samples: the last row of a chunk that reaches the end
+        # of the request's tokens (its prompt's last, or a decode token); none elsewhere
+        return PagedInput(st.tokens[s:e], s, st.pages, st.state_slot, st.captures(s, e),
+                          logit_rows=1 if e == len(st.tokens) else 0)
 
     def _advance(self, st: RequestState, inp: PagedInput, logits: torch.Tensor, done: list[Request]) -> None:
         req = st.owner
@@ -120,7 +123,7 @@ class Batching:
         if self.cache.windowed:
             self.cache.release_out_of_window(st, st.computed)
         if st.computed < len(st.tokens):
-            return
+            return  # a prefill chunk short of the end: no logits were computed for it
         row = logits[-1]
         if req.record_logits:
             req.logits.append(row.detach().to("cpu", copy=True))

@@ -48,8 +48,9 @@ class PagedModel:
         raise NotImplementedError
 
     def forward(self, pools: dict, inputs: list[PagedInput], wait_layer=None) -> list[torch.Tensor]:
-        """Logits [len(tokens), vocab] per request, reading and writing the pools (by
-        component name) as PagedInput says; recurrent states are committed only after
+        """Logits [n_logits, vocab] per request (its last `logit_rows` new tokens, every
+        one by default: the LM head runs on no other row), reading and writing the pools
+        (by component name) as PagedInput says; recurrent states are committed only after
         the last layer (a forward that fails part way leaves every state as it was)."""
         raise NotImplementedError
 
@@ -99,7 +100,9 @@ def _to(weights, device: torch.device):
         return {k: _to(v, device) for k, v in weights.items()}
     if isinstance(weights, list):
         return [_to(x, device) for x in weights]
-    return weights.to(device) if isinstance(weights, torch.Tensor) else weights
+    if isinstance(weights, torch.Tensor) or hasattr(weights, "tensors"):  # a tensor, a quantized weight
+        return weights.to(device)
+    return weights
 
 
 def load_model(model, weights=None) -> PagedModel:

@@ -72,7 +72,9 @@ def weights_witness(weights) -> str:
 
 
 def _named_tensors(x, prefix: str, out: list) -> None:
-    """(dotted name, tensor) for every tensor in nested dicts and lists."""
+    """(dotted name, tensor) for every tensor in nested dicts and lists (a quantized
+    weight: the dict of its `tensors()`)."""
+    x = _as_dict(x)
     if isinstance(x, torch.Tensor):
         out.append((prefix[:-1], x))
         return
@@ -129,6 +131,7 @@ def weights_fingerprint(weights: dict) -> str:
 
 def _walk(x, path: list, records: list, tensors: list) -> None:
     """The structure's records and its tensors, in one deterministic order."""
+    x = _as_dict(x)
     if isinstance(x, torch.Tensor):
         if x.layout != torch.strided or x.is_meta:
             raise TypeError(f"weights at {_where(path)}: cannot fingerprint a {x.layout} "
@@ -149,6 +152,13 @@ def _walk(x, path: list, records: list, tensors: list) -> None:
             _walk(v, path + [i], records, tensors)
     else:
         raise TypeError(f"weights at {_where(path)}: expected a tensor, dict or list, got {type(x).__name__}")
+
+
+def _as_dict(x):
+    """A weight held in another form than a tensor (model.hf.quant: int8 codes and
+    scales, ...) as the dict of the tensors that define it; anything else as it is."""
+    tensors = getattr(x, "tensors", None)
+    return tensors() if callable(tensors) and not isinstance(x, torch.Tensor) else x
 
 
 def _where(path: list) -> str:

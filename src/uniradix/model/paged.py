@@ -24,17 +24,48 @@ class PagedInput:
     key `start` reads on must be there, which is what the tree hands out on resuming).
     `state_slot` holds the recurrent state at `start` and is advanced in place.
     `capture` maps positions in (start, end] to slots that receive a copy of the
-    recurrent state there (checkpoints)."""
+    recurrent state there (checkpoints). `logit_rows`: how many of the last new tokens
+    get logits; the LM head (a vocabulary-wide matmul per row) runs only on those. None:
+    every new token (the oracle's view); an engine asks for 1 on the row it samples and
+    0 for a prefill chunk that does not reach the end of the request's tokens."""
 
     tokens: list[int]
     start: int
     pages: dict = field(default_factory=dict)
     state_slot: int | None = None
     capture: dict[int, int] = field(default_factory=dict)
+    logit_rows: int | None = None
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def n_logits(self) -> int:
+        """How many rows of logits this request gets (checked: 0 to len(tokens))."""
+        k = self.logit_rows
+        if k is None:
+            return len(self.tokens)
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= len(self.tokens):
+            raise ValueError(f"logit_rows must be None or an int from 0 to {len(self.tokens)} (the new tokens), "
+                             f"got {k!r}")
+        return k
+
+
+def head_rows(inputs: list[PagedInput], device) -> tuple[torch.Tensor | None, list[int]]:
+    """The flat batch rows the LM head runs on (the last `n_logits` of each request's
+    rows; None: every row, no gather needed), and how many each request gets. Every
+    forward gathers these rows before its final norm and head, so a prefill chunk's
+    discarded rows never reach the vocabulary-wide matmul."""
+    counts = [i.n_logits for i in inputs]
+    lens = [len(i.tokens) for i in inputs]
+    if counts == lens:
+        return None, counts
+    rows, end = [], 0
+    for n, k in zip(lens, counts):
+        end += n
+        rows.extend(range(end - k, end))
+    return torch.as_tensor(rows, dtype=torch.long, device=device), counts
 
 
 class _Span:
@@ -60,7 +91,8 @@ class _Span:
 @torch.no_grad()
 def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[PagedInput], *,
                   wait_layer: Callable[[int], None] | None = None) -> list[torch.Tensor]:
-    """Logits [len(tokens), vocab] per request. pools: by component name, each holding
+    """Logits [n_logits, vocab] per request (its last `logit_rows` new tokens; every one
+    by default). pools: by component name, each holding
     the layers that keep that state (KVPools keyed by model layer index, a
     MambaStatePool), as the model's layer states say. `wait_layer(layer)` is called
     before a layer touches any pool data, so a layerwise load from the host tier only
@@ -71,6 +103,7 @@ def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[Pa
     lens = [len(i.tokens) for i in inputs]
     if min(lens) <= 0:
         raise ValueError("every request in a batch brings at least one new token")
+    rows, counts = head_rows(inputs, device)  # checked before any pool is written
     ids = torch.as_tensor([t for i in inputs for t in i.tokens], dtype=torch.long, device=device)
     pos = torch.cat([torch.arange(i.start, i.end, device=device) for i in inputs])
     bounds = [0]
@@ -105,13 +138,15 @@ def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[Pa
                 delta = delta + torch.cat(outs)
             x = x + delta
         x = x + mlp(rms_norm(x, lw["norm2"], cfg.norm_eps), lw)
+    if rows is not None:
+        x = x.index_select(0, rows)
     logits = rms_norm(x, weights["norm_f"], cfg.norm_eps) @ weights["head"]
     # only now does any request's recurrent state advance: a forward that fails part way
     # leaves every state as it was, so the step can be rerun (its KV writes are idempotent)
     for mp, layer, slot, conv, ssm in commits:
         mp.conv(layer)[slot] = conv
         mp.state(layer)[slot] = ssm
-    return list(logits.split(lens))
+    return list(logits.split(counts))
 
 
 def _attention(cfg, lw, pool, layer: int, h, pos, spans, inputs, bounds, window) -> torch.Tensor:

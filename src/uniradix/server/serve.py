@@ -23,7 +23,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from ..cli import engine_from_args
+    from ..cli import engine_from_args, threads_from_args
     from ..config import from_args
     from ..redact import redact
     from .connections import connection_budget
@@ -32,6 +32,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     try:
         config = from_args(ServerConfig, a)
         budget = connection_budget(config.max_connections)
+        threads = threads_from_args(a)  # before the model loads: it computes too
+        logging.getLogger("uniradix.server").info("%s", threads)
         engine = engine_from_args(a)
     except (ValueError, OSError, ImportError, RuntimeError) as e:
         print(f"uniradix serve: {redact(e)}", file=sys.stderr)
@@ -46,7 +48,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         engine.close()
         return 2
     settings = {**engine.config.as_dict(), "model_path": a.model_path, "model_preset": a.model_preset,
-                "dtype": a.dtype, "context_length": engine.context_length}
+                "dtype": a.dtype, "quantization": a.quantization, "context_length": engine.context_length,
+                "num_threads": _torch_threads()}
     name = config.served_model_name or a.model_path or a.model_preset
     return serve(engine, config, sock, name, settings, budget)
 
@@ -92,6 +95,11 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
         sock.close()
     _say("uniradix serve: stopped")
     return 0 if runner.failure is None else 1
+
+
+def _torch_threads() -> int:
+    import torch
+    return torch.get_num_threads()
 
 
 def _close_backend(storage, deadline: float | None) -> None:

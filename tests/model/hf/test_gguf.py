@@ -297,6 +297,30 @@ def test_engine_serves_the_file(tiny, variant):
     eng.close()
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_quantized_file_serves_with_quantized_linears(tiny, quantization):
+    """A GGUF's quantized weights (Q8_0 / Q5_0 / Q4_0 here) dequantized, then each linear
+    weight, the tied head included, quantized again for torch's kernels; reuse exact
+    inside that precision."""
+    from engine_checks import greedy, run_checked
+    from harness import check_close
+    from uniradix.engine import Engine
+    from uniradix.model.hf import load_checkpoint
+    from uniradix.model.hf.quant import is_quantized
+    model = load_checkpoint(tiny["quant"], torch.bfloat16, quantization)
+    assert is_quantized(model.lm_head) and is_quantized(model.w("model.layers.0.mlp.down_proj.weight"))
+    assert model.w("model.embed_tokens.weight").dtype == torch.bfloat16
+    eng = Engine(model, page_size=4, chunked_prefill_size=8)
+    a = greedy(eng.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), 6)
+    run_checked(eng, [a])
+    b = greedy(a.input_ids + a.output_ids + [30, 31, 32], 4)
+    run_checked(eng, [b])
+    assert b.metrics.cached_tokens > 0
+    for r in (a, b):
+        check_close(eng, r, model.reference, 0.1)
+    eng.close()
+
+
 def test_other_architectures_and_strange_tensors_are_refused(tiny, tmp_path):
     from uniradix.model.hf import load_checkpoint
     from uniradix.model.hf.gguf import read_gguf

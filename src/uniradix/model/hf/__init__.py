@@ -12,6 +12,7 @@ import importlib.util
 
 from .checkpoint import Checkpoint, read_checkpoint
 from .family import HFModel
+from .quant import check_scheme
 
 #: one module per family (model/hf/<module>.py), each with one HFModel subclass
 FAMILY_MODULES = {"qwen3": "Qwen3", "gemma3": "Gemma3", "qwen3_next": "Qwen3Next", "gpt_oss": "GptOss",
@@ -47,14 +48,16 @@ def family_for_config(config: dict) -> type[HFModel]:
                      f"supported; supported: {', '.join(supported())}")
 
 
-def load_checkpoint(path: str, dtype: torch.dtype = torch.float32) -> HFModel:
-    """A checkpoint directory, or a .gguf file, as a PagedModel."""
+def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, quantization: str = "none") -> HFModel:
+    """A checkpoint directory, or a .gguf file, as a PagedModel in `dtype`, its linear
+    weights quantized as `quantization` says (quant.SCHEMES: none, int8, int4)."""
+    check_scheme(quantization)
     if path.endswith(".gguf") and os.path.isfile(path):
         from .gguf import read_gguf
         ckpt = read_gguf(path, dtype)
     else:
         ckpt = read_checkpoint(path, dtype)
-    return family_for(ckpt)(ckpt, dtype)
+    return family_for(ckpt)(ckpt, dtype).quantize(quantization)
 
 
 __all__ = ["FAMILY_MODULES", "families", "family_for_config", "HFModel", "Checkpoint", "read_checkpoint",

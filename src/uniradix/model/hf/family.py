@@ -15,10 +15,12 @@ import torch
 
 from ...specs import FullKV, KVShape, LayerState, RecurrentState, SlidingWindowKV, group_layers
 from ..base import PagedModel
+from ..paged import head_rows
 from .checkpoint import Checkpoint
 from .config_forms import FULL, HYBRID, LINEAR, SLIDING, ConfigError, Layer, layer_count, listed_kinds, single_rope, \
     with_defaults
 from .ops import Batch, rope_inv_freq
+from .quant import check_scheme, quantize
 
 FULL_KV = FullKV()
 RECURRENT = RecurrentState()
@@ -68,6 +70,12 @@ class HFModel(PagedModel):
             raise ConfigError(e.key, e.why, config_source(ckpt.path)) from None
         self.kinds = [layer.kind for layer in self.layers]
         self.dtype = dtype
+        # the residual stream (the hidden states between blocks, which every block adds
+        # to) in float32 under float16: its sums outgrow float16's 65504 (Gemma 3 270M
+        # reaches 1e5 by its 8th layer, where transformers' float16 forward gives inf);
+        # each block still computes in float16 from its normed input
+        self.residual_dtype = torch.float32 if dtype == torch.float16 else dtype
+        self.quantization = "none"  # quantize() says otherwise
         self.weights = ckpt.tensors
         self.files = ckpt.files
         self.tokenizer = ckpt.tokenizer
@@ -223,22 +231,29 @@ class HFModel(PagedModel):
         raise NotImplementedError
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head over the rows x [n, D] that get logits (row by row:
+        the forward hands it only the rows it samples)."""
         raise NotImplementedError
 
     @torch.no_grad()
     def forward(self, pools, inputs, wait_layer=None):
+        """Logits [n_logits, vocab] per request: the head runs only on each request's
+        last `logit_rows` rows (PagedInput), gathered before the final norm."""
         if not inputs:
             return []
         device = next(iter(self.weights.values())).device
         batch = Batch(pools, inputs, device)
-        x = self.embed(batch.ids)
+        rows, counts = head_rows(inputs, device)  # checked before any pool is written
+        x = self.embed(batch.ids).to(self.residual_dtype)
         for i in range(len(self.kinds)):
             if wait_layer is not None:
                 wait_layer(i)
             x = self.block(i, x, batch)
+        if rows is not None:
+            x = x.index_select(0, rows)
         logits = self.head(x).float()
         batch.commit()  # only now does any request's recurrent state advance
-        return list(logits.split(batch.lens))
+        return list(logits.split(counts))
 
     @torch.no_grad()
     def reference(self, tokens) -> torch.Tensor:
@@ -316,6 +331,52 @@ class HFModel(PagedModel):
         made sure the config allows it)."""
         head = self.weights.get("lm_head.weight")
         return head if head is not None else self.w(embed or self.embed_weight)
+
+    @property
+    def lm_head(self):
+        """The head's weight as the forward multiplies by it (tied_head: after quantize,
+        the head's own quantized copy)."""
+        return self.tied_head()
+
+    # ------------------------------------------------------------------ quantization
+    #: name endings of the 2-D weights that stay in the model's dtype whatever the
+    #: quantization: MoE routers and gates (quantized, they would send tokens to other
+    #: experts; they are small)
+    dense_weights: tuple = ("router.weight", "router.layer.weight", ".gate.weight", "shared_expert_gate.weight")
+    #: name endings of the expert stacks [experts, out, in] (quantized expert by expert)
+    expert_stacks: tuple = ("experts.gate_up_proj", "experts.down_proj", "experts.up_proj")
+
+    def linear_weights(self) -> list[str]:
+        """The weights the projections multiply by (ops.linear): every 2-D floating-point
+        `.weight` but the embedding and `dense_weights`, the head, and the expert stacks."""
+        out = []
+        for name, t in self.weights.items():
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                continue
+            if t.dim() == 2 and name.endswith(".weight") and name != self.embed_weight \
+                    and not name.endswith(self.dense_weights):
+                out.append(name)
+            elif t.dim() == 3 and name.endswith(self.expert_stacks):
+                out.append(name)
+        return out
+
+    def quantize(self, scheme: str) -> "HFModel":
+        """Every linear weight in `scheme`'s form (quant.quantize: weight-only int8 or
+        int4, multiplied by torch's kernels). A head tied to the embedding gets its own
+        quantized copy under lm_head.weight: the embedding stays dense for the lookup.
+        Norms, routers, convolutions and the recurrent layers' parameters stay in the
+        model's dtype."""
+        check_scheme(scheme)
+        if scheme == "none" or scheme == self.quantization:
+            return self
+        if self.quantization != "none":
+            raise ValueError(f"{self.ckpt.path}: already quantized as {self.quantization}")
+        if "lm_head.weight" not in self.weights:
+            self.weights["lm_head.weight"] = self.tied_head()
+        for name in self.linear_weights():
+            self.weights[name] = quantize(self.weights[name], scheme)
+        self.quantization = scheme
+        return self
 
     def w(self, name: str) -> torch.Tensor:
         try:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .config_forms import FULL, SLIDING, ConfigError, every_nth, rope_dict, rope_setup
 from .family import HFModel
-from .ops import apply_rope, paged_attention, rms_norm, rope_cos_sin
+from .ops import apply_rope, linear, paged_attention, rms_norm, rope_cos_sin
 
 #: Gemma3TextConfig's defaults (transformers 5.24) for the keys read here
 TEXT_DEFAULTS = {
@@ -91,7 +91,6 @@ class Gemma3(HFModel):
         # attn_logit_softcapping is not read: Gemma 3 replaced Gemma 2's score capping with
         # QK-norm, and transformers' Gemma3Attention never applies it
         self.final_softcap = c.get("final_logit_softcapping")
-        self.lm_head = self.tied_head()
 
     def embed(self, ids):
         e = self.w("model.embed_tokens.weight")
@@ -102,7 +101,7 @@ class Gemma3(HFModel):
         p = f"model.layers.{i}."
         w = self.w
         N = x.shape[0]
-        h = rms_norm(x, w(p + "input_layernorm.weight"), self.eps, 1.0)
+        h = rms_norm(x, w(p + "input_layernorm.weight"), self.eps, 1.0, dtype=self.dtype)
         q = self._proj(h, p + "self_attn.q_proj").view(N, self.heads, self.head_dim)
         k = self._proj(h, p + "self_attn.k_proj").view(N, self.kv_heads, self.head_dim)
         v = self._proj(h, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
@@ -113,20 +112,18 @@ class Gemma3(HFModel):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale)
         a = self._proj(a.reshape(N, -1), p + "self_attn.o_proj")
-        x = x + rms_norm(a, w(p + "post_attention_layernorm.weight"), self.eps, 1.0)
-        h = rms_norm(x, w(p + "pre_feedforward_layernorm.weight"), self.eps, 1.0)
-        g = F.gelu(h @ w(p + "mlp.gate_proj.weight").t(), approximate="tanh")
-        m = (g * (h @ w(p + "mlp.up_proj.weight").t())) @ w(p + "mlp.down_proj.weight").t()
-        return x + rms_norm(m, w(p + "post_feedforward_layernorm.weight"), self.eps, 1.0)
+        x = x + rms_norm(a, w(p + "post_attention_layernorm.weight"), self.eps, 1.0, dtype=x.dtype)
+        h = rms_norm(x, w(p + "pre_feedforward_layernorm.weight"), self.eps, 1.0, dtype=self.dtype)
+        g = F.gelu(linear(h, w(p + "mlp.gate_proj.weight")), approximate="tanh")
+        m = linear(g * linear(h, w(p + "mlp.up_proj.weight")), w(p + "mlp.down_proj.weight"))
+        return x + rms_norm(m, w(p + "post_feedforward_layernorm.weight"), self.eps, 1.0, dtype=x.dtype)
 
     def _proj(self, h, name):
         """h @ W^T, plus the bias where the checkpoint has one (attention_bias)."""
-        y = h @ self.w(name + ".weight").t()
-        bias = self.weights.get(name + ".bias")
-        return y if bias is None else y + bias
+        return linear(h, self.w(name + ".weight"), self.weights.get(name + ".bias"))
 
     def head(self, x):
-        logits = rms_norm(x, self.w("model.norm.weight"), self.eps, 1.0) @ self.lm_head.t()
+        logits = linear(rms_norm(x, self.w("model.norm.weight"), self.eps, 1.0, dtype=self.dtype), self.tied_head())
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -2,7 +2,8 @@
 with per-head attention sinks, q/k/v/o biases and YaRN RoPE; plain-w RMSNorms (in
 float32, weights in float32); a mixture of experts per layer: a biased router, softmax
 over its top-k logits, experts with fused gate/up weights [E, in, 2I] (gate and up
-interleaved) and biases, and a clamped SwiGLU ((up + 1) * gate * sigmoid(alpha * gate)).
+interleaved; held [E, 2I, in] here, the layout of every projection) and biases, and a
+clamped SwiGLU ((up + 1) * gate * sigmoid(alpha * gate)).
 
 Expert weights quantized as MXFP4 (`*_blocks` uint8 [E, rows, G, 16], two FP4 values a
 byte, low nibble first; `*_scales` uint8 [E, rows, G], the exponent + 127 of each group
@@ -12,11 +13,11 @@ from __future__ import annotations
 
 
 import torch
-import torch.nn.functional as F
 
 from .config_forms import FULL, SLIDING, layer_count, single_rope
 from .family import HFModel
-from .ops import FEW_TOKENS, apply_rope, paged_attention, rms_norm, rope_cos_sin
+from .ops import FEW_TOKENS, apply_rope, linear, paged_attention, rms_norm, rope_cos_sin
+from .quant import is_quantized
 
 #: the 16 values of an FP4 (E2M1) code, sign bit highest
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -86,7 +87,7 @@ class GptOss(HFModel):
         self.limit = c["swiglu_limit"]
         self.experts = c["num_local_experts"]
         self._dequantize()
-        self.lm_head = self.tied_head()
+        self._experts_out_in()
 
     def _dequantize(self) -> None:
         """Replace each `<name>_blocks` / `<name>_scales` pair with `<name>` in the model's dtype."""
@@ -101,6 +102,12 @@ class GptOss(HFModel):
         if left:
             raise ValueError(f"{self.ckpt.path}: {left[0]!r} has no matching '_blocks' tensor")
 
+    def _experts_out_in(self) -> None:
+        """The expert stacks as [E, out, in] (checkpoints hold them [E, in, out]): the
+        layout of every other projection, which ops.linear and quantization take."""
+        for name in [n for n in self.weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            self.weights[name] = self.weights[name].transpose(1, 2).contiguous()
+
     def embed(self, ids):
         return self.w("model.embed_tokens.weight")[ids]
 
@@ -108,7 +115,7 @@ class GptOss(HFModel):
         p = f"model.layers.{i}."
         w = self.w
         N = x.shape[0]
-        h = rms_norm(x, w(p + "input_layernorm.weight"), self.eps)
+        h = rms_norm(x, w(p + "input_layernorm.weight"), self.eps, dtype=self.dtype)
         q = self._linear(h, p + "self_attn.q_proj").view(N, self.heads, self.head_dim)
         k = self._linear(h, p + "self_attn.k_proj").view(N, self.kv_heads, self.head_dim)
         v = self._linear(h, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
@@ -117,28 +124,28 @@ class GptOss(HFModel):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale, sinks=w(p + "self_attn.sinks"))
         x = x + self._linear(a.reshape(N, -1), p + "self_attn.o_proj")
-        h = rms_norm(x, w(p + "post_attention_layernorm.weight"), self.eps)
+        h = rms_norm(x, w(p + "post_attention_layernorm.weight"), self.eps, dtype=self.dtype)
         return x + self.moe(p + "mlp.", h)
 
     def _linear(self, h, name):
-        return F.linear(h, self.w(name + ".weight"), self.weights.get(name + ".bias"))
+        return linear(h, self.w(name + ".weight"), self.weights.get(name + ".bias"))
 
     def moe(self, p, h):
         """The router's top-k experts per token, weighted by a softmax over their logits."""
         w = self.w
-        logits = F.linear(h, w(p + "router.weight"), w(p + "router.bias"))
+        logits = linear(h, w(p + "router.weight"), w(p + "router.bias"))
         top, idx = torch.topk(logits, self.top_k, dim=-1)
         weights = top.softmax(-1)
         gate_up, gate_up_b = w(p + "experts.gate_up_proj"), w(p + "experts.gate_up_proj_bias")
         down, down_b = w(p + "experts.down_proj"), w(p + "experts.down_proj_bias")
-        if h.shape[0] <= FEW_TOKENS:  # each token's experts gathered: one call, not one per expert
-            gu = torch.einsum("nd,nkdi->nki", h, gate_up[idx]) + gate_up_b[idx]
-            y = torch.einsum("nki,nkid->nkd", self._glu(gu), down[idx]) + down_b[idx]
+        if h.shape[0] <= FEW_TOKENS and not is_quantized(gate_up):  # each token's experts gathered: one call
+            gu = torch.einsum("nd,nkid->nki", h, gate_up[idx]) + gate_up_b[idx]
+            y = torch.einsum("nki,nkdi->nkd", self._glu(gu), down[idx]) + down_b[idx]
             return (y * weights[..., None]).sum(1).to(h.dtype)
         out = torch.zeros_like(h)
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
-            y = self._glu(h[tok] @ gate_up[e] + gate_up_b[e]) @ down[e] + down_b[e]
+            y = linear(self._glu(linear(h[tok], gate_up[e], gate_up_b[e])), down[e], down_b[e])
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(h.dtype))
         return out
 
@@ -149,4 +156,4 @@ class GptOss(HFModel):
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
     def head(self, x):
-        return rms_norm(x, self.w("model.norm.weight"), self.eps) @ self.lm_head.t()
+        return linear(rms_norm(x, self.w("model.norm.weight"), self.eps, dtype=self.dtype), self.tied_head())

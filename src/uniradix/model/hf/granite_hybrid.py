@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ...specs import RecurrentShape
 from .config_forms import FULL, LINEAR, ConfigError, layer_count
 from .family import RECURRENT, HFModel
-from .ops import apply_rope, causal_conv, paged_attention, rms_norm_llama, rope_cos_sin, run_recurrent
+from .ops import apply_rope, causal_conv, linear, paged_attention, rms_norm_llama, rope_cos_sin, run_recurrent
 
 
 def config_float(v, default: float | None = None) -> float | None:
@@ -29,10 +29,6 @@ def config_float(v, default: float | None = None) -> float | None:
     if isinstance(v, dict):
         v = v.get("__float__", default)
     return float(v)
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, w, b)
 
 
 # ---------------------------------------------------------------------------- Mamba2
@@ -134,6 +130,8 @@ class GraniteHybrid(HFModel):
     layer_kinds = (LINEAR, FULL)
     kind_keys = ("layers_block_type", "layer_types")
     partial_rotary = False
+    expert_stacks = HFModel.expert_stacks + ("block_sparse_moe.input_linear.weight",
+                                             "block_sparse_moe.output_linear.weight")
 
     @classmethod
     def derive_kinds(cls, c):
@@ -196,13 +194,13 @@ class GraniteHybrid(HFModel):
 
     def block(self, i, x, batch):
         p = f"model.layers.{i}."
-        h = rms_norm_llama(x, self.w(p + "input_layernorm.weight"), self.eps)
+        h = rms_norm_llama(x, self.w(p + "input_layernorm.weight"), self.eps, dtype=self.dtype)
         if i in self.mixers:
             h = self.mixers[i](batch, RECURRENT, i, h)
         else:
             h = self.attention(i, h, batch)
         x = x + h * self.residual_multiplier
-        h = rms_norm_llama(x, self.w(p + "post_attention_layernorm.weight"), self.eps)
+        h = rms_norm_llama(x, self.w(p + "post_attention_layernorm.weight"), self.eps, dtype=self.dtype)
         m = self.shared_mlp(p + "shared_mlp.", h)
         if self.experts > 0:
             m = self.moe(p + "block_sparse_moe.", h) + m
@@ -235,9 +233,8 @@ class GraniteHybrid(HFModel):
         return out
 
     def head(self, x):
-        x = rms_norm_llama(x, self.w("model.norm.weight"), self.eps)
-        lm_head = self.tied_head()
-        return linear(x, lm_head) / self.logits_scaling
+        x = rms_norm_llama(x, self.w("model.norm.weight"), self.eps, dtype=self.dtype)
+        return linear(x, self.tied_head()) / self.logits_scaling
 
 
 __all__ = ["GraniteHybrid", "Mamba2", "config_float"]

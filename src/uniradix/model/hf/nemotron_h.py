@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from .config_forms import FULL, LINEAR, MLP, MOE, ConfigError, listed_kinds, pattern_kinds
 from .family import RECURRENT, HFModel
-from .granite_hybrid import Mamba2, config_float, linear
-from .ops import paged_attention, rms_norm
+from .granite_hybrid import Mamba2, config_float
+from .ops import linear, paged_attention, rms_norm
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -116,7 +116,7 @@ class NemotronH(HFModel):
 
     def block(self, i, x, batch):
         p = f"{self.root}layers.{i}."
-        h = rms_norm(x, self.w(p + "norm.weight"), self.eps)
+        h = rms_norm(x, self.w(p + "norm.weight"), self.eps, dtype=self.dtype)
         kind = self.kinds[i]
         if i in self.mixers:
             h = self.mixers[i](batch, RECURRENT, i, h)
@@ -182,8 +182,7 @@ class NemotronH(HFModel):
         return out + self.mlp(p + "shared_experts.", h)
 
     def head(self, x):
-        lm_head = self.tied_head()
-        return linear(rms_norm(x, self.w(self.root + "norm_f.weight"), self.eps), lm_head)
+        return linear(rms_norm(x, self.w(self.root + "norm_f.weight"), self.eps, dtype=self.dtype), self.tied_head())
 
 
 __all__ = ["NemotronH"]

@@ -1,5 +1,6 @@
-"""The paged building blocks every family's forward is made of: norms and RoPE as the
-Hugging Face implementations compute them, attention that writes new K/V into a
+"""The paged building blocks every family's forward is made of: the one linear op every
+projection goes through (dense weights in any dtype, quantized ones: quant.py), norms
+and RoPE as the Hugging Face implementations compute them, attention that writes new K/V into a
 component's pages and reads each request's keys back from them, and a recurrent runner
 that advances each request's state in its slot, copying it out at captures and
 committing only after the last layer.
@@ -15,6 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from ..paged import PagedInput
+from .gemm import dense
+from .quant import is_quantized
 
 
 #: a batch of at most this many tokens (decode) runs its MoE experts gathered per token,
@@ -22,23 +25,37 @@ from ..paged import PagedInput
 FEW_TOKENS = 16
 
 
+# ---------------------------------------------------------------------------- linear
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ W^T (+ b) in x's dtype, whatever form W [out, in] takes: a dense
+    tensor (gemm.dense: in float32 where this CPU has no fast GEMM for its dtype), or a
+    quantized weight (quant.py: bfloat16 activations, torch's packed kernels for few
+    rows on the CPU)."""
+    if is_quantized(w):
+        y = w.linear(x)
+        return y if b is None else y + b
+    return dense(x, w, b)
+
+
 # ---------------------------------------------------------------------------- norms
-def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, offset: float = 0.0) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, offset: float = 0.0,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
     """RMSNorm in float32, scaled by (offset + w) (offset 1.0: Gemma's and Qwen3-Next's
-    zero-centred weights), cast back to x's dtype."""
+    zero-centred weights), cast to `dtype` (default x's: the residual stream may be
+    wider than the model's dtype, HFModel.residual_dtype)."""
     y = x.float()
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
     if w is not None:
         y = y * (offset + w.float())
-    return y.to(x.dtype)
+    return y.to(dtype or x.dtype)
 
 
-def rms_norm_llama(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as Llama-style models do it: normalised in float32, cast back, then
-    scaled by w in the weights' dtype."""
+def rms_norm_llama(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm as Llama-style models do it: normalised in float32, cast back (to
+    `dtype`, default x's), then scaled by w in the weights' dtype."""
     y = x.float()
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
-    return w * y.to(x.dtype)
+    return w * y.to(dtype or x.dtype)
 
 
 # ---------------------------------------------------------------------------- RoPE

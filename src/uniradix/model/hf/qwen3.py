@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .config_forms import FULL, SLIDING, ConfigError, layer_count
 from .family import HFModel
-from .ops import apply_rope, paged_attention, rms_norm_llama, rope_cos_sin
+from .ops import apply_rope, linear, paged_attention, rms_norm_llama, rope_cos_sin
 
 #: Qwen3Config's defaults (transformers 5.24) for the keys read here
 DEFAULTS = {
@@ -49,7 +49,6 @@ class Qwen3(HFModel):
     def __init__(self, ckpt, dtype=torch.float32) -> None:
         super().__init__(ckpt, dtype)
         self.eps = self.config["rms_norm_eps"]
-        self.lm_head = self.tied_head()
 
     def embed(self, ids):
         return self.w("model.embed_tokens.weight")[ids]
@@ -57,29 +56,24 @@ class Qwen3(HFModel):
     def block(self, i, x, batch):
         p = f"model.layers.{i}."
         w, N = self.w, x.shape[0]
-        h = rms_norm_llama(x, w(p + "input_layernorm.weight"), self.eps)
-        q = _linear(h, w, p + "self_attn.q_proj").view(N, self.heads, self.head_dim)
-        k = _linear(h, w, p + "self_attn.k_proj").view(N, self.kv_heads, self.head_dim)
-        v = _linear(h, w, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
+        h = rms_norm_llama(x, w(p + "input_layernorm.weight"), self.eps, dtype=self.dtype)
+        q = self._linear(h, p + "self_attn.q_proj").view(N, self.heads, self.head_dim)
+        k = self._linear(h, p + "self_attn.k_proj").view(N, self.kv_heads, self.head_dim)
+        v = self._linear(h, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
         q = rms_norm_llama(q, w(p + "self_attn.q_norm.weight"), self.eps)
         k = rms_norm_llama(k, w(p + "self_attn.k_norm.weight"), self.eps)
         inv, scaling = self.rope[i]
         cos, sin = rope_cos_sin(batch.pos, inv, scaling, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.head_dim ** -0.5)
-        x = x + _linear(a.reshape(N, -1), w, p + "self_attn.o_proj")
-        h = rms_norm_llama(x, w(p + "post_attention_layernorm.weight"), self.eps)
-        g = F.silu(h @ w(p + "mlp.gate_proj.weight").t()) * (h @ w(p + "mlp.up_proj.weight").t())
-        return x + g @ w(p + "mlp.down_proj.weight").t()
+        x = x + self._linear(a.reshape(N, -1), p + "self_attn.o_proj")
+        h = rms_norm_llama(x, w(p + "post_attention_layernorm.weight"), self.eps, dtype=self.dtype)
+        g = F.silu(linear(h, w(p + "mlp.gate_proj.weight"))) * linear(h, w(p + "mlp.up_proj.weight"))
+        return x + linear(g, w(p + "mlp.down_proj.weight"))
 
     def head(self, x):
-        return rms_norm_llama(x, self.w("model.norm.weight"), self.eps) @ self.lm_head.t()
+        return linear(rms_norm_llama(x, self.w("model.norm.weight"), self.eps, dtype=self.dtype), self.tied_head())
 
-
-def _linear(x: torch.Tensor, w, name: str) -> torch.Tensor:
-    """x @ W^T (+ bias when the checkpoint has one: attention_bias)."""
-    y = x @ w(name + ".weight").t()
-    try:
-        return y + w(name + ".bias")
-    except ValueError:
-        return y
+    def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x @ W^T (+ bias where the checkpoint has one: attention_bias)."""
+        return linear(x, self.w(name + ".weight"), self.weights.get(name + ".bias"))

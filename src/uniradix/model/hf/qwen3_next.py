@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from ...specs import RecurrentShape
 from .config_forms import FULL, LINEAR, ConfigError, every_nth
 from .family import RECURRENT, HFModel
-from .ops import FEW_TOKENS, apply_rope, causal_conv, paged_attention, rms_norm, rope_cos_sin, run_recurrent
+from .ops import FEW_TOKENS, apply_rope, causal_conv, linear, paged_attention, rms_norm, rope_cos_sin, run_recurrent
+from .quant import is_quantized
 
 _COMMON = {"hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 256,
            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
@@ -81,7 +82,6 @@ class Qwen3Next(HFModel):
         self.key_dim, self.value_dim = self.k_heads * self.dk, self.v_heads * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.embed_w = self.w("model.embed_tokens.weight")
-        self.lm_head = self.tied_head()
         self.top_k = c.get("num_experts_per_tok")
         # Qwen3.5-MoE's router always renormalises its top-k (its class has no norm_topk_prob)
         self.norm_topk = c.get("norm_topk_prob", True) if self.name == "qwen3_next" else True
@@ -138,25 +138,23 @@ class Qwen3Next(HFModel):
         return self.embed_w[ids]
 
     def head(self, x):
-        return rms_norm(x, self.w("model.norm.weight"), self.eps, 1.0) @ self.lm_head.t()
+        return linear(rms_norm(x, self.w("model.norm.weight"), self.eps, 1.0, dtype=self.dtype), self.tied_head())
 
     def block(self, i, x, batch):
         p = f"model.layers.{i}."
-        h = rms_norm(x, self.w(p + "input_layernorm.weight"), self.eps, 1.0)
+        h = rms_norm(x, self.w(p + "input_layernorm.weight"), self.eps, 1.0, dtype=self.dtype)
         if self.kinds[i] == LINEAR:
             h = self._gdn(i, p + "linear_attn.", h, batch)
         else:
             h = self._attention(i, p + "self_attn.", h, batch)
         x = x + h
-        h = rms_norm(x, self.w(p + "post_attention_layernorm.weight"), self.eps, 1.0)
+        h = rms_norm(x, self.w(p + "post_attention_layernorm.weight"), self.eps, 1.0, dtype=self.dtype)
         if self.has(p + "mlp.gate.weight"):
             return x + self._moe(p + "mlp.", h)
         return x + self._mlp(p + "mlp.", h)
 
     def _linear(self, name: str, h: torch.Tensor) -> torch.Tensor:
-        y = h @ self.w(name + ".weight").t()
-        bias = self.weights.get(name + ".bias")
-        return y + bias if bias is not None else y
+        return linear(h, self.w(name + ".weight"), self.weights.get(name + ".bias"))
 
     # ------------------------------------------------------------------ gated attention
     def _attention(self, i, p, h, batch):
@@ -179,14 +177,14 @@ class Qwen3Next(HFModel):
         N, Hk, Hv = h.shape[0], self.k_heads, self.v_heads
         if self.has(p + "in_proj_qkvz.weight"):  # Qwen3-Next: fused, grouped by key head
             r = Hv // Hk
-            qkvz = (h @ self.w(p + "in_proj_qkvz.weight").t()).view(N, Hk, 2 * self.dk + 2 * r * self.dv)
+            qkvz = self._linear(p + "in_proj_qkvz", h).view(N, Hk, 2 * self.dk + 2 * r * self.dv)
             q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
-            b, a = (h @ self.w(p + "in_proj_ba.weight").t()).view(N, Hk, 2 * r).split([r, r], dim=-1)
+            b, a = self._linear(p + "in_proj_ba", h).view(N, Hk, 2 * r).split([r, r], dim=-1)
             qkv = torch.cat((q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)), dim=-1)
             return qkv, z.reshape(N, Hv, self.dv), b.reshape(N, Hv), a.reshape(N, Hv)
-        qkv = h @ self.w(p + "in_proj_qkv.weight").t()
-        z = (h @ self.w(p + "in_proj_z.weight").t()).view(N, Hv, self.dv)
-        return qkv, z, h @ self.w(p + "in_proj_b.weight").t(), h @ self.w(p + "in_proj_a.weight").t()
+        qkv = self._linear(p + "in_proj_qkv", h)
+        z = self._linear(p + "in_proj_z", h).view(N, Hv, self.dv)
+        return qkv, z, self._linear(p + "in_proj_b", h), self._linear(p + "in_proj_a", h)
 
     def _gdn(self, i, p, h, batch):
         N = h.shape[0]
@@ -247,14 +245,14 @@ class Qwen3Next(HFModel):
         return self._linear(p + "down_proj", F.silu(self._linear(p + "gate_proj", h)) * self._linear(p + "up_proj", h))
 
     def _moe(self, p, h):
-        logits = h @ self.w(p + "gate.weight").t()
+        logits = linear(h, self.w(p + "gate.weight"))
         probs = logits.softmax(-1, dtype=torch.float32)
         top, idx = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             top = top / top.sum(-1, keepdim=True)
         top = top.to(logits.dtype)
         gate_up, down = self.w(p + "experts.gate_up_proj"), self.w(p + "experts.down_proj")
-        if h.shape[0] <= FEW_TOKENS:  # each token's experts gathered: one call, not one per expert
+        if h.shape[0] <= FEW_TOKENS and not is_quantized(gate_up):  # each token's experts gathered: one call
             gate, up = torch.einsum("nd,nkid->nki", h, gate_up[idx]).chunk(2, dim=-1)
             ye = torch.einsum("nki,nkdi->nkd", F.silu(gate) * up, down[idx])
             out = (ye * top[..., None]).sum(1)
@@ -262,13 +260,13 @@ class Qwen3Next(HFModel):
             out = torch.zeros_like(h)
             for e in idx.unique().tolist():  # ascending, as transformers adds them
                 tok, slot = torch.where(idx == e)
-                gate, up = (h[tok] @ gate_up[e].t()).chunk(2, dim=-1)
-                ye = (F.silu(gate) * up) @ down[e].t()
+                gate, up = linear(h[tok], gate_up[e]).chunk(2, dim=-1)
+                ye = linear(F.silu(gate) * up, down[e])
                 out.index_add_(0, tok, (ye * top[tok, slot, None]).to(out.dtype))
         if self.has(p + "shared_expert.gate_proj.weight"):
             shared = self._mlp(p + "shared_expert.", h)
             if self.has(p + "shared_expert_gate.weight"):
-                shared = torch.sigmoid(h @ self.w(p + "shared_expert_gate.weight").t()) * shared
+                shared = torch.sigmoid(linear(h, self.w(p + "shared_expert_gate.weight"))) * shared
             out = out + shared
         return out
 
