@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end on tiny settings: they print their tables, and a
 missing optional dependency (matplotlib, the plots extra) costs only the plot."""
+import json
 import os
 import subprocess
 import sys
@@ -26,3 +27,44 @@ def test_multiturn_tiers_without_matplotlib_prints_tables_and_skips_the_plot(tmp
     assert not plot.exists()
     assert "hit rates identical in all 2 passes" in out.stdout
     assert "L1+L2+L3 / L1 input throughput" in out.stdout
+
+
+def test_serve_vs_peers_dry_run_serves_chat_over_http_and_compares(tmp_path):
+    """benchmarks/serve_vs_peers.py --dry: `uniradix serve` on the embedded model, cache on
+    against cache off (standing in for a peer), over streamed chat. The figures are what a
+    cache must give: the same prompts and replies on both sides, every reply as long as
+    asked, the earlier turns reused with the cache on and nothing without; the tables are
+    printed and both servers are stopped."""
+    figures = tmp_path / "figures.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "serve_vs_peers.py"), "--dry", "--server-cpus", "none",
+           "--log-dir", str(tmp_path / "logs"), "--json", str(figures)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    data = json.loads(figures.read_text())
+    runs = {r["server"]: r for r in data["results"]}
+    assert set(runs) == {"uniradix-embedded", "uniradix-embedded-nocache"}
+    assert not [r["error"] for r in runs.values() if "error" in r]
+    w = data["workload"]
+    on, off = runs["uniradix-embedded"]["phases"], runs["uniradix-embedded-nocache"]["phases"]
+    for phase, clients, rounds in (("multi-turn", w["clients"], w["rounds"]), ("long", 1, w["long_rounds"])):
+        assert len(on[phase]) == len(off[phase]) == rounds
+        for a, b in zip(on[phase], off[phase]):
+            assert a["errors"] == b["errors"] == []
+            assert a["prompt_tokens"] == b["prompt_tokens"] > 0
+            assert a["replies"] == b["replies"] and all(a["replies"])
+            assert a["completion_tokens"] == b["completion_tokens"] == clients * w["output_tokens"]
+            assert len(a["ttfts"]) == len(b["ttfts"]) == clients
+            assert b["cached_tokens"] == 0
+        later = on[phase][1:]
+        assert later and all(r["cached_tokens"] > r["prompt_tokens"] / 2 for r in later)
+    (row,) = [r for r in data["ratios"] if r["phase"] == "multi-turn"]
+    assert row["peer"] == "uniradix-embedded-nocache" and row["hit_peer"] == 0 and row["hit_ours"] > 0
+    assert row["same_replies"] == f"{w['clients'] * w['rounds']}/{w['clients'] * w['rounds']}"
+    assert "hit rate" in out.stdout and "ratios, ours / peer" in out.stdout
+    for r in runs.values():  # stopped: the PID is gone or no longer that server
+        try:
+            with open(f"/proc/{r['pid']}/cmdline", "rb") as f:
+                assert b"serve" not in f.read()
+        except FileNotFoundError:
+            pass
