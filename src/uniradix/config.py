@@ -279,7 +279,7 @@ class SchedulerConfig(Settings):
 #: the dtypes a checkpoint is served in
 DTYPES = ("float32", "bfloat16", "float16")
 #: the weight-only quantizations of its linear weights (uniradix.model.hf.quant)
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4", "stored")
 
 
 @dataclass(frozen=True)
@@ -296,9 +296,10 @@ class ModelSettings(Settings):
                                     "recurrent states, norms, attention and routing stay float32)",
                          choices=DTYPES)
     quantization: str = setting("none", "weight-only quantization of a checkpoint's linear weights (the head "
-                                        "included): int8 per output channel, or int4 in groups of 32 (a "
-                                        ".gguf's Q4/Q5/Q8 weights are dequantized and quantized again); "
-                                        "multiplied by torch's own CPU kernels in bfloat16", choices=QUANTIZATIONS)
+                                        "included): int8 per output channel, or int4 in groups of 32, "
+                                        "multiplied by torch's own CPU kernels in bfloat16; stored: each as a "
+                                        ".gguf stores it (types under 5 bits per weight as int4, up to 8 as "
+                                        "int8, float ones dense)", choices=QUANTIZATIONS)
 
 
 @dataclass(frozen=True)

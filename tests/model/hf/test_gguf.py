@@ -297,18 +297,25 @@ def test_engine_serves_the_file(tiny, variant):
     eng.close()
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "stored"])
 def test_a_quantized_file_serves_with_quantized_linears(tiny, quantization):
     """A GGUF's quantized weights (Q8_0 / Q5_0 / Q4_0 here) dequantized, then each linear
-    weight, the tied head included, quantized again for torch's kernels; reuse exact
-    inside that precision."""
+    weight, the tied head included, quantized again for torch's kernels ("stored": each
+    in the scheme nearest its type in the file); reuse exact inside that precision."""
     from engine_checks import greedy, run_checked
     from harness import check_close
     from uniradix.engine import Engine
     from uniradix.model.hf import load_checkpoint
     from uniradix.model.hf.quant import is_quantized
     model = load_checkpoint(tiny["quant"], torch.bfloat16, quantization)
-    assert is_quantized(model.lm_head) and is_quantized(model.w("model.layers.0.mlp.down_proj.weight"))
+    if quantization == "stored":  # F16 embedding (and tied head): dense; Q8_0 / Q5_0: int8; Q4_0: int4
+        assert not is_quantized(model.lm_head)
+        schemes = {name.split(".")[-2]: getattr(w, "scheme", "dense") for name, w in model.weights.items()
+                   if name.startswith("model.layers.") and name.endswith("proj.weight")}
+        assert schemes == {"q_proj": "int8", "k_proj": "int8", "v_proj": "int8", "o_proj": "int8",
+                           "gate_proj": "int8", "up_proj": "int8", "down_proj": "int4"}, schemes
+    else:
+        assert is_quantized(model.lm_head) and is_quantized(model.w("model.layers.0.mlp.down_proj.weight"))
     assert model.w("model.embed_tokens.weight").dtype == torch.bfloat16
     eng = Engine(model, page_size=4, chunked_prefill_size=8)
     a = greedy(eng.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]), 6)

@@ -185,6 +185,32 @@ def test_float16_without_a_fast_gemm_multiplies_in_float32(monkeypatch):
     assert torch.equal(linear(x, w, b), F.linear(x, w, b))
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["16-bit-gemm", "float32-gemm"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_next"])
+def test_bfloat16_reuse_is_exact_on_either_gemm_path(tiny, family, fast, monkeypatch, make_engine, tmp_path):
+    """Both paths a CPU may take (AVX512-BF16 / AMX: bfloat16 products; any other CPU:
+    float32 products for more than one row), whichever this machine has: reuse from
+    every tier stays within the precision's bound of the same model's no-cache forward."""
+    from uniradix.model.hf import gemm, load_checkpoint
+    monkeypatch.setattr(gemm, "fast_cpu_gemm", lambda dtype: fast)
+    assert gemm.gemm_dtype(torch.bfloat16, torch.device("cpu")) == (torch.bfloat16 if fast else torch.float32)
+    assert load_checkpoint(tiny(family), torch.bfloat16).dtype == torch.bfloat16
+    family_checks(tiny(family), make_engine, tmp_path, 4, dtype=torch.bfloat16)
+
+
+def test_bfloat16_is_fast_only_with_its_instructions(monkeypatch):
+    """AVX-512 alone makes bfloat16 products 3-4x slower than float32 (oneDNN converts):
+    only AVX512-BF16 or AMX count."""
+    from uniradix.model.hf import gemm
+    for flags, fast in (({"_is_avx512_supported"}, False), ({"_is_avx512_supported", "_is_avx512_bf16_supported"},
+                                                             True), ({"_is_amx_tile_supported"}, True), (set(), False)):
+        for name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+            monkeypatch.setattr(torch.cpu, name, lambda on=name in flags: on, raising=False)
+        gemm.fast_cpu_gemm.cache_clear()
+        assert gemm.fast_cpu_gemm(torch.bfloat16) is fast, flags
+    gemm.fast_cpu_gemm.cache_clear()
+
+
 # ---------------------------------------------------------------------------- L3, loading, flags
 def test_each_precision_is_its_own_l3_namespace(tiny, tmp_path):
     """Another precision computes other KV: the weights' witness (which binds the L3

@@ -50,7 +50,7 @@ def family_for_config(config: dict) -> type[HFModel]:
 
 def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, quantization: str = "none") -> HFModel:
     """A checkpoint directory, or a .gguf file, as a PagedModel in `dtype`, its linear
-    weights quantized as `quantization` says (quant.SCHEMES: none, int8, int4)."""
+    weights quantized as `quantization` says (quant.SCHEMES: none, int8, int4, stored)."""
     check_scheme(quantization)
     if path.endswith(".gguf") and os.path.isfile(path):
         from .gguf import read_gguf

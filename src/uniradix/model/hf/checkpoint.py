@@ -35,6 +35,9 @@ class Checkpoint:
     files: tuple = ()
     generation: dict = field(default_factory=dict)
     tokenizer: object = None
+    #: bits per weight of each tensor as the file stores it, where that is not its dtype's
+    #: (a .gguf's quantized types): what `--quantization stored` follows
+    stored_bits: dict = field(default_factory=dict)
 
     @property
     def model_type(self) -> str:

@@ -20,7 +20,7 @@ from .checkpoint import Checkpoint
 from .config_forms import FULL, HYBRID, LINEAR, SLIDING, ConfigError, Layer, layer_count, listed_kinds, single_rope, \
     with_defaults
 from .ops import Batch, rope_inv_freq
-from .quant import check_scheme, quantize
+from .quant import check_scheme, quantize, stored_scheme
 
 FULL_KV = FullKV()
 RECURRENT = RecurrentState()
@@ -365,16 +365,22 @@ class HFModel(PagedModel):
         int4, multiplied by torch's kernels). A head tied to the embedding gets its own
         quantized copy under lm_head.weight: the embedding stays dense for the lookup.
         Norms, routers, convolutions and the recurrent layers' parameters stay in the
-        model's dtype."""
+        model's dtype. "stored": each weight in the scheme nearest the bits the file
+        stores it at (quant.stored_scheme: a .gguf's 4-bit types int4, 5- to 8-bit ones
+        int8, float ones dense); the tied head follows the embedding's."""
         check_scheme(scheme)
         if scheme == "none" or scheme == self.quantization:
             return self
         if self.quantization != "none":
             raise ValueError(f"{self.ckpt.path}: already quantized as {self.quantization}")
+        bits = self.ckpt.stored_bits
         if "lm_head.weight" not in self.weights:
             self.weights["lm_head.weight"] = self.tied_head()
+            if self.embed_weight in bits:
+                bits = {**bits, "lm_head.weight": bits[self.embed_weight]}
         for name in self.linear_weights():
-            self.weights[name] = quantize(self.weights[name], scheme)
+            s = stored_scheme(bits.get(name)) if scheme == "stored" else scheme
+            self.weights[name] = quantize(self.weights[name], s)
         self.quantization = scheme
         return self
 

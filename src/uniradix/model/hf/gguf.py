@@ -45,16 +45,18 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED)}")
     names = [t.name for t in reader.tensors]
     config = _gemma3_config(meta, names)
-    tensors = {}
+    tensors, bits = {}, {}
     for t in reader.tensors:
         shift = 1.0 if t.name.endswith("norm.weight") else 0.0  # the converter stored 1 + w
-        tensors[_gemma3_name(path, t.name)] = _tensor(t, dtype, shift)
+        name = _gemma3_name(path, t.name)
+        tensors[name] = _tensor(t, dtype, shift)
+        bits[name] = _bits_per_weight(t.tensor_type)
     tok = _tokenizer(meta) if meta.get("tokenizer.ggml.tokens") is not None else None
     generation = {k: config[k] for k in ("bos_token_id", "pad_token_id") if config.get(k) is not None}
     eos = _eos_ids(meta, config)
     if eos:
         generation["eos_token_id"] = eos
-    return Checkpoint(path, config, tensors, (path,), generation, tok)
+    return Checkpoint(path, config, tensors, (path,), generation, tok, stored_bits=bits)
 
 
 # ---------------------------------------------------------------------------- metadata
@@ -195,6 +197,13 @@ def _gemma3_name(path: str, name: str) -> str:
         if base in _GEMMA3_TOP:
             return f"{_GEMMA3_TOP[base]}.{suffix}"
     raise ValueError(f"{path}: GGUF tensor {name!r} has no Gemma 3 counterpart")
+
+
+def _bits_per_weight(tensor_type) -> float:
+    """Bits a tensor of this GGML type stores per weight (Q4_K: 4.5, Q8_0: 8.5, F32: 32)."""
+    from gguf import GGML_QUANT_SIZES
+    block, nbytes = GGML_QUANT_SIZES[tensor_type]
+    return 8 * nbytes / block
 
 
 def _tensor(t, dtype: torch.dtype, norm_shift: float = 0.0) -> torch.Tensor:

@@ -236,6 +236,15 @@ class QuantizedExperts:
         return f"QuantizedExperts({len(self.experts)} x {self.experts[0]!r})"
 
 
+def stored_scheme(bits: float | None) -> str:
+    """The scheme nearest a weight stored at `bits` per weight (`--quantization stored`):
+    int4 under 5 bits (Q4_0, Q4_K, ...), int8 up to 8 and a block scale (Q5 ... Q8_0),
+    dense above (float types) or when unknown."""
+    if bits is None or bits > 9:
+        return "none"
+    return "int4" if bits < 5 else "int8"
+
+
 def check_scheme(scheme: str) -> str:
     if scheme not in SCHEMES:
         raise ValueError(f"quantization {scheme!r} is not one of {', '.join(SCHEMES)}")
@@ -246,7 +255,8 @@ def quantize(w: torch.Tensor, scheme: str):
     """W [out, in] (or a stack [experts, out, in]) in `scheme`'s form; the dense tensor
     itself for "none". int4 takes only the shapes its kernel does (Int4Weight.fits);
     other weights fall back to int8."""
-    check_scheme(scheme)
+    if check_scheme(scheme) == "stored":
+        raise ValueError("quantization 'stored' is chosen per tensor (stored_scheme), not for one weight")
     if scheme == "none":
         return w
     if not w.is_floating_point() or w.dim() not in (2, 3):
@@ -263,5 +273,5 @@ def is_quantized(w) -> bool:
     return isinstance(w, (QuantizedWeight, QuantizedExperts))
 
 
-__all__ = ["SCHEMES", "GROUP", "KERNEL_ROWS", "KERNEL_DTYPE", "QuantizedWeight", "Int8Weight", "Int4Weight",
+__all__ = ["SCHEMES", "stored_scheme", "GROUP", "KERNEL_ROWS", "KERNEL_DTYPE", "QuantizedWeight", "Int8Weight", "Int4Weight",
            "QuantizedExperts", "quantize", "is_quantized", "check_scheme"]
