@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .config_forms import FULL, SLIDING, ConfigError, every_nth, rope_dict, rope_setup
 from .family import HFModel
-from .ops import apply_rope, linear, paged_attention, rms_norm, rope_cos_sin
+from .ops import apply_rope, linear, paged_attention, rms_norm
 
 #: Gemma3TextConfig's defaults (transformers 5.24) for the keys read here
 TEXT_DEFAULTS = {
@@ -108,7 +108,7 @@ class Gemma3(HFModel):
         q = rms_norm(q, w(p + "self_attn.q_norm.weight"), self.eps, 1.0)
         k = rms_norm(k, w(p + "self_attn.k_norm.weight"), self.eps, 1.0)
         inv, scaling = self.rope[i]
-        cos, sin = rope_cos_sin(batch.pos, inv, scaling, q.dtype)
+        cos, sin = batch.rope(inv, scaling, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale)
         a = self._proj(a.reshape(N, -1), p + "self_attn.o_proj")

@@ -16,7 +16,7 @@ import torch
 
 from .config_forms import FULL, SLIDING, layer_count, single_rope
 from .family import HFModel
-from .ops import FEW_TOKENS, apply_rope, linear, paged_attention, rms_norm, rope_cos_sin
+from .ops import FEW_TOKENS, apply_rope, linear, paged_attention, rms_norm
 from .quant import is_quantized
 
 #: the 16 values of an FP4 (E2M1) code, sign bit highest
@@ -120,7 +120,7 @@ class GptOss(HFModel):
         k = self._linear(h, p + "self_attn.k_proj").view(N, self.kv_heads, self.head_dim)
         v = self._linear(h, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
         inv, scaling = self.rope[i]
-        cos, sin = rope_cos_sin(batch.pos, inv, scaling, q.dtype)
+        cos, sin = batch.rope(inv, scaling, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale, sinks=w(p + "self_attn.sinks"))
         x = x + self._linear(a.reshape(N, -1), p + "self_attn.o_proj")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ...specs import RecurrentShape
 from .config_forms import FULL, LINEAR, ConfigError, layer_count
 from .family import RECURRENT, HFModel
-from .ops import apply_rope, causal_conv, linear, paged_attention, rms_norm_llama, rope_cos_sin, run_recurrent
+from .ops import apply_rope, causal_conv, linear, paged_attention, rms_norm_llama, run_recurrent
 
 
 def config_float(v, default: float | None = None) -> float | None:
@@ -187,7 +187,7 @@ class GraniteHybrid(HFModel):
         v = linear(h, self.w(p + "v_proj.weight"), b(p + "v_proj.bias")).view(N, self.kv_heads, self.head_dim)
         if self.rope[i] is not None:
             inv, scaling = self.rope[i]
-            cos, sin = rope_cos_sin(batch.pos, inv, scaling, q.dtype)
+            cos, sin = batch.rope(inv, scaling, q.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale)
         return linear(a.reshape(N, -1), self.w(p + "o_proj.weight"), b(p + "o_proj.bias"))

@@ -144,7 +144,17 @@ class Batch:
         self.ids = torch.as_tensor([t for i in inputs for t in i.tokens], dtype=torch.long, device=device)
         self.pos = torch.cat([torch.arange(i.start, i.end, device=device) for i in inputs])
         self._plans: dict = {}
+        self._rope: dict = {}
         self.commits: list = []
+
+    def rope(self, inv_freq: torch.Tensor, scaling: float, dtype) -> tuple:
+        """rope_cos_sin at this batch's positions, computed once per RoPE table and dtype
+        for every layer that shares it (Gemma 3's 18 layers have two tables)."""
+        key = (id(inv_freq), scaling, dtype)
+        hit = self._rope.get(key)
+        if hit is None or hit[0] is not inv_freq:
+            hit = self._rope[key] = (inv_freq, rope_cos_sin(self.pos, inv_freq, scaling, dtype))
+        return hit[1]
 
     def plan(self, spec) -> "_Plan":
         """Where the keys of KV component `spec` live for this batch (from the first key
