@@ -231,6 +231,8 @@ def test_logits_equal_the_same_weights_in_safetensors_and_transformers(tiny, var
     ours = load_checkpoint(tiny[variant])
     assert type(ours).__name__ == "Gemma3"
     got = ours.reference(ids)
+    # a path object names the file as well as its str (the pip package hands out one)
+    assert torch.equal(load_checkpoint(Path(tiny[variant])).reference(ids), got)
     same = same_weights_dir(tmp_path, tiny, read_gguf(tiny[variant]))
     # our forward over the same tensors from safetensors: identical
     assert (got - load_checkpoint(same).reference(ids)).abs().max().item() <= 1e-6

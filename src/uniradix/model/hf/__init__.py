@@ -48,10 +48,12 @@ def family_for_config(config: dict) -> type[HFModel]:
                      f"supported; supported: {', '.join(supported())}")
 
 
-def load_checkpoint(path: str, dtype: torch.dtype = torch.float32, quantization: str = "none") -> HFModel:
-    """A checkpoint directory, or a .gguf file, as a PagedModel in `dtype`, its linear
-    weights quantized as `quantization` says (quant.SCHEMES: none, int8, int4, stored)."""
+def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32, quantization: str = "none") -> HFModel:
+    """A checkpoint directory, or a .gguf file (a str or a path object), as a PagedModel
+    in `dtype`, its linear weights quantized as `quantization` says (quant.SCHEMES: none,
+    int8, int4, stored)."""
     check_scheme(quantization)
+    path = os.fspath(path)
     if path.endswith(".gguf") and os.path.isfile(path):
         from .gguf import read_gguf
         ckpt = read_gguf(path, dtype)
