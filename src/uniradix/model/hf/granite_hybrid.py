@@ -7,8 +7,11 @@ The Mamba2 mixer lives here and Nemotron-H imports it: in_proj to (z, xBC, dt), 
 depthwise causal conv over xBC (the pool keeps its last K-1 inputs), SiLU, the selective
 scan with dt = clamp(softplus(dt + dt_bias)), A = -exp(A_log), a float32 state
 [heads, head_dim, d_state] per request and the D skip, then the grouped RMSNorm gated by
-SiLU(z) and out_proj. The scan runs token by token, so any split of a sequence (chunked
-prefill, captures, a resumed checkpoint) reaches the same state as the whole of it."""
+SiLU(z) and out_proj. A decode step advances the state one token; a longer piece runs
+the scan in chunks of SCAN_CHUNK tokens in closed form (the state-space dual: within a
+chunk every output is a decay-weighted sum over the chunk's inputs plus the decayed
+state it entered with), so any split of a sequence (chunked prefill, captures, a resumed
+checkpoint) reaches the state of the whole of it up to float32 rounding."""
 from __future__ import annotations
 
 import math
@@ -32,6 +35,31 @@ def config_float(v, default: float | None = None) -> float | None:
 
 
 # ---------------------------------------------------------------------------- Mamba2
+#: tokens per chunk of the closed-form scan: long enough that a 256-token prefill is a few
+#: batched products, short enough that the [chunk, chunk] decay matrices stay small
+SCAN_CHUNK = 64
+
+
+def chunked_scan(xdt: torch.Tensor, log_decay: torch.Tensor, B: torch.Tensor, C: torch.Tensor, s: torch.Tensor,
+                 chunk: int = SCAN_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selective scan s_t = exp(log_decay_t) s_{t-1} + xdt_t B_t^T, y_t = s_t C_t over
+    xdt [Bn, T, H, P], log_decay [Bn, T, H], B and C [Bn, T, H, N] from s [Bn, H, P, N],
+    chunk by chunk: returns (y [Bn, T, H, P], the state after the last token), all float32."""
+    T = xdt.shape[1]
+    y = torch.empty_like(xdt)
+    for lo in range(0, T, chunk):
+        hi = min(T, lo + chunk)
+        cum = torch.cumsum(log_decay[:, lo:hi].transpose(1, 2), -1)  # [Bn, H, n]: log decay from lo to t
+        causal = torch.ones(hi - lo, hi - lo, dtype=torch.bool, device=xdt.device).tril()
+        between = torch.exp((cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")))  # j -> t
+        Bc, Cc, Xc = B[:, lo:hi], C[:, lo:hi], xdt[:, lo:hi]
+        y[:, lo:hi] = torch.einsum("bhtj,bjhp->bthp", torch.einsum("bthn,bjhn->bhtj", Cc, Bc) * between, Xc) + \
+            torch.einsum("bhpn,bthn->bthp", s, Cc) * torch.exp(cum).transpose(1, 2)[..., None]
+        to_end = torch.exp(cum[..., -1:] - cum)  # [Bn, H, n]: decay from each token to the chunk's end
+        s = s * torch.exp(cum[..., -1])[..., None, None] + torch.einsum("bjhp,bhj,bjhn->bhpn", Xc, to_end, Bc)
+    return y, s
+
+
 class Mamba2:
     """One Mamba2 mixer's sizes and weights (`prefix`: the mixer's module path in the
     checkpoint, e.g. "model.layers.3.mamba.")."""
@@ -77,8 +105,7 @@ class Mamba2:
 
     def scan(self, xbcdt: torch.Tensor, states):
         """Tokens [B, T, conv_dim + heads] of B requests from their (conv state, ssm
-        state): returns (y [B, T, inner] in float32, the new states). Token by token: the
-        state after any prefix is the state a split there resumes from."""
+        state): returns (y [B, T, inner] in float32, the new states)."""
         conv_state, ssm = states
         Bn, T = xbcdt.shape[:2]
         H, P, N, G = self.heads, self.head_dim, self.d_state, self.groups
@@ -90,13 +117,14 @@ class Mamba2:
         C = xbc[..., self.inner + G * N:].float().view(Bn, T, G, N).repeat_interleave(H // G, dim=2)
         dt = F.softplus(dt + self.w("dt_bias").to(dt.dtype))
         dt = torch.clamp(dt, min=self.dt_lo, max=self.dt_hi).float()  # [Bn, T, H]
-        decay = torch.exp(dt * -torch.exp(self.w("A_log").float()))  # [Bn, T, H]; A = -exp(A_log)
+        log_decay = dt * -torch.exp(self.w("A_log").float())  # [Bn, T, H]; A = -exp(A_log)
         xdt = x * dt[..., None]  # [Bn, T, H, P]
         s = ssm.float()
-        y = torch.empty_like(x)
-        for t in range(T):
-            s = s * decay[:, t, :, None, None] + xdt[:, t, :, :, None] * B[:, t, :, None, :]
-            y[:, t] = (s @ C[:, t, :, :, None]).squeeze(-1)
+        if T == 1:
+            s = s * torch.exp(log_decay)[:, 0, :, None, None] + xdt[:, 0, :, :, None] * B[:, 0, :, None, :]
+            y = (s @ C[:, 0, :, :, None]).squeeze(-1)[:, None]
+        else:
+            y, s = chunked_scan(xdt, log_decay, B, C, s)
         y = y + self.w("D").float()[:, None] * x
         return y.reshape(Bn, T, H * P), (conv_state, s.to(ssm.dtype))
 
@@ -237,4 +265,4 @@ class GraniteHybrid(HFModel):
         return linear(x, self.tied_head()) / self.logits_scaling
 
 
-__all__ = ["GraniteHybrid", "Mamba2", "config_float"]
+__all__ = ["GraniteHybrid", "Mamba2", "chunked_scan", "config_float"]
