@@ -212,6 +212,13 @@ FORMS = {
     "qwen3 yarn rope_scaling (long context)": qwen3_8b(rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                                      "original_max_position_embeddings": 32768}),
     "qwen3-2507 (262k, theta 5M)": qwen3_8b(max_position_embeddings=262144, rope_theta=5000000),
+    # Phi-3's form: the pretraining length at the top wins over the one in the setup
+    "qwen3 yarn, original length at the top": qwen3_8b(max_position_embeddings=131072,
+                                                       original_max_position_embeddings=32768,
+                                                       rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+    "qwen3 yarn, original length at the top and in the setup": qwen3_8b(
+        original_max_position_embeddings=16384,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8192}),
     "qwen3 use_sliding_window (from max_window_layers)": qwen3_8b(use_sliding_window=True, sliding_window=4096,
                                                                  max_window_layers=28),
     "qwen3 current (layer_types, rope_parameters)": {**BARE, "model_type": "qwen3", "layer_types": [F] * 8,
@@ -238,6 +245,7 @@ FORMS = {
     "gpt-oss current (rope_parameters)": {**{k: v for k, v in gpt_oss_20b().items() if k not in (
         "rope_scaling", "rope_theta")}, "rope_parameters": {**YARN_OSS, "rope_theta": 150000.0}},
     "gpt-oss yarn without factor": gpt_oss_20b(rope_scaling={**YARN_OSS, "factor": None}),
+    "gpt-oss yarn, original length at the top": gpt_oss_20b(original_max_position_embeddings=8192),
     # Granite-4.0-H
     "granite-4.0-h (mamba/attention names, nope)": granite_h(),
     "granite layers_block_type": {**{k: v for k, v in granite_h().items() if k != "layer_types"},
@@ -360,6 +368,60 @@ def test_defaults_are_the_config_classes_own():
             for key, value in table.items():
                 assert key in defaults, (model_type, key)
                 assert defaults[key] == value, (model_type, key, defaults[key], value)
+
+
+# ---------------------------------------------------------------------------- null keys
+def null_cases():
+    """(family, a released form of it, a key of its defaults that has a value there)."""
+    from uniradix.model.hf import families, family_for_config
+    base = {}
+    for raw in FORMS.values():
+        if "text_config" not in raw:
+            base.setdefault(family_for_config(raw), raw)
+    return [(f.__name__, base[f], key) for f in families()
+            for mt, table in f.defaults.items() if mt == base[f]["model_type"]
+            for key, value in table.items() if value is not None]
+
+
+@pytest.mark.parametrize("family,raw,key", null_cases(), ids=[f"{c[0]}-{c[2]}" for c in null_cases()])
+def test_a_null_key_is_refused_naming_it_or_read_as_transformers_reads_it(family, raw, key):
+    """config.json giving a key as null: where null means something to the family's config
+    class (nullable: no window, KV heads as many as query heads) it reads as transformers
+    reads it; anywhere else it is refused at load naming the key (the key would reach the
+    forward as None and fail every request, or transformers' typed field refuses it)."""
+    from uniradix.model.hf import family_for_config
+    from uniradix.model.hf.config_forms import ConfigError
+    cls = family_for_config(raw)
+    raw = {**raw, key: None}
+    if key not in cls.nullable:
+        with pytest.raises(ConfigError) as e:
+            our_reading(raw)
+        assert e.value.key == key and "null" in str(e.value)
+        return
+    try:
+        transformers_config(raw)
+    except Exception:  # transformers refuses it: so must we
+        with pytest.raises(ConfigError):
+            our_reading(raw)
+        return
+    try:
+        config, layers = our_reading(raw)
+    except ConfigError as e:  # what null means here, the forward cannot serve (sliding layers with no window)
+        assert e.key == key
+        return
+    from uniradix.model.hf.family import HFModel
+    cfg = transformers_config(raw)
+    assert HFModel.attention_shape(config)[:2] == (cfg.num_attention_heads, cfg.num_key_value_heads)
+    assert [(layer.kind, layer.window) for layer in layers] == [(k, w) for k, w, _ in transformers_layers(raw)]
+
+
+def test_a_null_legacy_key_is_named_as_written():
+    """Nemotron-H's legacy `mamba_n_groups` given as null is refused under that name."""
+    from uniradix.model.hf.config_forms import ConfigError
+    raw = {k: v for k, v in nemotron_h_8b().items() if k != "n_groups"}
+    with pytest.raises(ConfigError) as e:
+        our_reading({**raw, "mamba_n_groups": None})
+    assert e.value.key == "mamba_n_groups"
 
 
 # ---------------------------------------------------------------------------- refusals

@@ -51,15 +51,20 @@ class Layer:
 
 
 # ---------------------------------------------------------------------------- defaults
-def with_defaults(config: dict, defaults: dict, aliases: dict) -> dict:
+def with_defaults(config: dict, defaults: dict, aliases: dict, nullable: tuple = ()) -> dict:
     """A copy of `config` with legacy keys renamed (`aliases`: legacy -> current; the
     legacy key wins where present, as the config classes read it) and every missing key of
-    `defaults` filled in."""
+    `defaults` filled in. A key given as null where its default is a value is refused (as
+    transformers' typed config fields refuse it), unless it is `nullable`: null means
+    something there (no window, KV heads as many as query heads)."""
     out = dict(config)
+    named = {current: legacy for legacy, current in aliases.items() if legacy in out}
     for legacy, current in aliases.items():
         if legacy in out:
             out[current] = out.pop(legacy)
     for k, v in defaults.items():
+        if k in out and out[k] is None and v is not None and k not in nullable:
+            raise ConfigError(named.get(k, k), f"is null; give a value (the config class's default is {v!r})")
         out.setdefault(k, v)
     return out
 
@@ -133,6 +138,11 @@ def single_rope(config: dict, default_theta: float, partial: float | None = None
         raise ConfigError(key, "must be one RoPE setup (this family has one RoPE for all its attention layers), "
                                f"got {params!r:.80}")
     params = dict(params)
+    if (params.get("rope_type") or params.get("type")) == "yarn" and \
+            config.get("original_max_position_embeddings") is not None:
+        # transformers' exception for one setup (Phi-3's form): the top-level pretraining
+        # length wins over the one inside the setup
+        params["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     params.setdefault("rope_theta", config["rope_theta"] if "rope_theta" in config else default_theta)
     factor = config["partial_rotary_factor"] if "partial_rotary_factor" in config else partial
     if factor is not None:

@@ -50,6 +50,9 @@ class HFModel(PagedModel):
     defaults: dict = {}
     #: legacy key -> current key (the legacy key wins where present, as the classes read it)
     aliases: dict = {}
+    #: keys of `defaults` that config.json may give as null, meaning what the class makes of
+    #: it (no window, no bidirectional attention); any other null is refused at load
+    nullable: tuple = ("sliding_window", "use_bidirectional_attention")
     #: the layer kinds the forward implements
     layer_kinds: tuple = (FULL,)
     #: the keys that list the layer kinds, the one transformers prefers first
@@ -92,7 +95,7 @@ class HFModel(PagedModel):
         """config.json (the text part of a multimodal one) as this family's config class
         reads it: the config with defaults filled in, and one Layer per layer. Raises
         ConfigError, naming the key, for what the forward cannot express."""
-        c = with_defaults(raw, cls.defaults.get(raw.get("model_type"), {}), cls.aliases)
+        c = with_defaults(raw, cls.defaults.get(raw.get("model_type"), {}), cls.aliases, cls.nullable)
         cls.check_config(c)
         kinds, key = cls.read_kinds(c)
         for i, kind in enumerate(kinds):

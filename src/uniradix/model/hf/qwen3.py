@@ -25,6 +25,7 @@ DEFAULTS = {
 class Qwen3(HFModel):
     model_types = ("qwen3",)
     defaults = {"qwen3": DEFAULTS}
+    nullable = HFModel.nullable + ("num_key_value_heads",)  # Qwen3Config: as many as the query heads
     layer_kinds = (FULL, SLIDING)
     partial_rotary = False
 
