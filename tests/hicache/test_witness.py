@@ -21,7 +21,7 @@ from uniradix.hicache.backends.file import FileBackend  # noqa: E402
 from uniradix.hicache.keys import witness_key  # noqa: E402
 from uniradix.hicache.objects import pack_object  # noqa: E402
 from uniradix.hicache.witness import Witness  # noqa: E402
-from uniradix.model import init_weights, preset, save_weights, weights_witness  # noqa: E402
+from uniradix.model import init_weights, preset, save_weights  # noqa: E402
 from uniradix.tree.component import page_floor  # noqa: E402
 
 CFG = preset("tiny-hybrid")
@@ -68,7 +68,7 @@ def test_same_name_other_weights_reads_nothing_and_answers_right(tmp_path, polic
     assert s["storage"]["witness"]["stored_as"] in shown and s["storage"]["witness"]["theirs"] in shown
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1, errors
-    assert NAME in errors[0] and weights_witness(mine) in errors[0] and weights_witness(other) in errors[0]
+    assert NAME in errors[0] and a.storage.witness.mine in errors[0] and b.storage.witness.mine in errors[0]
     # the first engine still trusts its namespace and reuses from it
     c = named_engine(FileBackend(str(tmp_path)), mine)
     r = greedy(nxt, 3)
@@ -96,6 +96,57 @@ def test_same_weights_in_another_layout_still_share(tmp_path):
     check_exact(b, r)
     assert r.metrics.storage_tokens == page_floor(len(nxt) - 8, 4)
     assert b.stats()["storage_refused"] == 0 and b.stats()["storage"]["witness"]["state"] == "trusted"
+
+
+def test_same_name_weights_that_differ_where_a_sample_does_not_look(tmp_path):
+    """Under a fleet's own name the witness reads every byte: weights that differ in one
+    element no sampled witness reads (an edited embedding row) are another model."""
+    from uniradix.model import weights_witness
+    mine = init_weights(CFG)
+    other = init_weights(CFG)
+    other["embed"][7, 1:] += 0.5  # row 7: token 7; no sample reads past its first element
+    assert weights_witness(other) == weights_witness(mine)  # the cheap witness cannot tell
+    a = named_engine(FileBackend(str(tmp_path)), mine)
+    prompt = [7, 7] + first_turn(a)
+    a.run([greedy(prompt, 3)])
+    b = named_engine(FileBackend(str(tmp_path)), other)
+    r = greedy(prompt, 4)
+    b.run([r])
+    assert r.metrics.storage_tokens == 0 and b.stats()["storage_refused"] == 1
+    off = Engine(CFG, weights=other, page_size=4, max_total_tokens=2048, disable_radix_cache=True)
+    assert r.output_ids == off.generate(r.input_ids, max_new_tokens=4).output_ids
+
+
+def test_same_name_same_weights_other_config_reads_nothing(tmp_path):
+    """Under a fleet's own name, one checkpoint's tensors with another config (a
+    narrower sliding window): other KV, so the witness (which binds the model's
+    computation) refuses the second."""
+    pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model" / "hf"))
+    import shutil
+    from harness import make_tiny
+    a_dir = make_tiny("gemma3", str(tmp_path / "a"))
+    b_dir = tmp_path / "b"
+    shutil.copytree(a_dir, b_dir)
+    cfg = json.loads((b_dir / "config.json").read_text())
+    cfg["sliding_window"] = max(2, cfg["sliding_window"] // 4)
+    (b_dir / "config.json").write_text(json.dumps(cfg))
+    store = str(tmp_path / "l3")
+
+    def eng(path, **kw):
+        return Engine(str(path), page_size=4, max_total_tokens=2048, storage=FileBackend(store), prefetch_threshold=1,
+                      model_fingerprint="acme/gemma3-tiny", **kw)
+
+    rng = random.Random(5)
+    ids = [rng.randrange(8, 500) for _ in range(60)]
+    eng(a_dir).run([greedy(ids, 3)])
+    b = eng(b_dir)
+    assert b.storage.witness.mine != eng(a_dir).storage.witness.mine
+    r = greedy(ids + [9, 10, 11], 4)
+    b.run([r])
+    assert r.metrics.storage_tokens == 0 and b.stats()["storage_refused"] == 1
+    off = Engine(str(b_dir), page_size=4, max_total_tokens=2048, disable_radix_cache=True)
+    assert r.output_ids == off.generate(r.input_ids, max_new_tokens=4).output_ids
 
 
 def test_a_sharded_checkpoint_shares_with_the_single_file_one(tmp_path):

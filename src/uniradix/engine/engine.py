@@ -74,10 +74,11 @@ class Engine(Admission, Batching):
         if storage is not None:
             from ..hicache.l3 import StorageTier
             h = config.host
-            weights_fp = self._weights_fingerprint() if config.storage.model_fingerprint is None else ""
+            named = config.storage.model_fingerprint is not None  # the fleet names the model, not its weights
+            weights_fp = "" if named else self._weights_fingerprint()
             self.storage = StorageTier(self.cache, storage, config.storage, self.model.config, weights=weights_fp,
                                        write_policy=h.hicache_write_policy if self.hierarchical else "write_through",
-                                       write_min_hits=h.write_min_hits, witness=self._weights_witness())
+                                       write_min_hits=h.write_min_hits, witness=self._witness(whole=named))
 
     def _weights_fingerprint(self) -> str:
         """What the L3 namespace knows the weights by: a file's content digest (cached on
@@ -88,12 +89,14 @@ class Engine(Admission, Batching):
             return file_fingerprint(list(self.model.files))
         return weights_fingerprint(self.weights)
 
-    def _weights_witness(self) -> str:
-        """What the L3 namespace checks the weights by, whatever names them (a fleet's
-        model_fingerprint says nothing of the weights): a digest of fixed elements of the
-        loaded tensors, milliseconds on any model (see hicache.witness)."""
-        from ..model.fingerprint import weights_witness
-        return weights_witness(self.weights)
+    def _witness(self, whole: bool) -> str:
+        """What the L3 namespace checks the model by, whatever names it (see
+        hicache.witness): its computation and its loaded tensors, every byte of them
+        where a fleet's model_fingerprint names the namespace (it says nothing of the
+        weights or the config), else a few fixed elements (the name carries the
+        checkpoint's digest and config; the witness adds the dtype and quantization)."""
+        from ..model.fingerprint import model_witness
+        return model_witness(self.weights, self.model.computation(), whole)
 
     @property
     def prefetching(self) -> list[RequestState]:

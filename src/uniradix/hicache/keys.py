@@ -98,7 +98,9 @@ def witness_key(ns: StorageNamespace, secret: bytes | None = None) -> str:
     the namespace without its salt (one witness for every tenant of a model) and, when
     objects are MAC'd, from a digest of the secret, so that engines with different
     secrets (who cannot read each other's objects anyway) never contend for one key."""
-    h = hashlib.sha256(b"uniradix-witness-key-v1\0" + replace(ns, salt=None, binding="").seed())
+    # v2: witnesses of model.fingerprint.model_witness's form (v1 held the sampled
+    # weights alone); engines of either form never meet under one key
+    h = hashlib.sha256(b"uniradix-witness-key-v2\0" + replace(ns, salt=None, binding="").seed())
     if secret:
         h.update(hashlib.blake2b(secret, digest_size=16, person=b"urx-l3-witness").digest())
     return check_key(f"{h.hexdigest()}.witness")

@@ -80,7 +80,7 @@ class StorageTier:
     StorageBackend (the caller's: close it yourself); settings: a config.StorageConfig;
     write_policy, write_min_hits: the host tier's policy (write_back: only what the host
     evicts goes down); weights: the weights' fingerprint (ignored when the settings name
-    the model themselves); witness: model.fingerprint.weights_witness of the weights,
+    the model themselves); witness: model.fingerprint.model_witness of the model,
     checked against the namespace's before any read or write (None: not checked)."""
 
     def __init__(self, cache, backend, settings, model, *, weights: str = "", write_policy: str = "write_through",

@@ -4,9 +4,10 @@ Engines share L3 data when their namespaces agree. By default the namespace name
 weights (a digest of the checkpoint), but a fleet may name its model itself
 (`model_fingerprint`), and then nothing in the name says which weights computed the
 stored KV: two servers given one name and different weights would read each other's
-pages and answer wrongly. So the namespace also holds a witness of the weights
-(model.fingerprint.weights_witness: a digest of fixed elements of the loaded tensors)
-under a key of its own, in the checked object format.
+pages and answer wrongly. So the namespace also holds a witness of the model
+(model.fingerprint.model_witness: a digest of its computation, the config as read,
+and of its loaded tensors, every byte of them under a fleet's own name) under a key of
+its own, in the checked object format.
 
 Before an engine's first read or write, again every RECHECK_S seconds, after the store
 failed, after the backend reconnected (its `generation` changed), and after a write
@@ -103,10 +104,10 @@ class Witness:
             return
         self.refused, self.theirs = True, theirs
         self.mismatches += 1
-        log.error("L3 refused: namespace %s holds the witness %s of other weights, and this engine's "
-                  "weights give %s. Different weights (or one checkpoint loaded at another dtype) share "
-                  "one namespace: give each its own model_fingerprint (or remove the store key %s once "
-                  "the other weights are gone). "
+        log.error("L3 refused: namespace %s holds the witness %s of another model, and this engine's "
+                  "model gives %s. Different weights or configs (or one checkpoint loaded at another dtype "
+                  "or quantization) share one namespace: give each its own model_fingerprint (or remove the "
+                  "store key %s once the other model is gone). "
                   "This engine serves without L3; its answers are its own.",
                   label(self.namespace), theirs, self.mine, self.key)
 

@@ -3,7 +3,7 @@ reference hybrid model (F / S / M / H / - layers) and its no-cache oracle, and r
 checkpoints (`model.hf`)."""
 from .base import PagedModel, ReferenceModel, load_model
 from .config import LAYER_KINDS, PRESETS, HybridConfig, preset
-from .fingerprint import file_fingerprint, weights_fingerprint, weights_witness
+from .fingerprint import file_fingerprint, model_witness, weights_fingerprint, weights_witness
 from .paged import PagedInput, paged_forward
 from .reference import reference_forward
 from .tokenizer import ByteTokenizer
@@ -11,4 +11,4 @@ from .weights import init_weights, load_weights, save_weights
 
 __all__ = ["LAYER_KINDS", "PRESETS", "HybridConfig", "preset", "reference_forward", "ByteTokenizer",
            "init_weights", "save_weights", "load_weights", "PagedInput", "paged_forward", "weights_fingerprint",
-           "file_fingerprint", "weights_witness", "PagedModel", "ReferenceModel", "load_model"]
+           "file_fingerprint", "weights_witness", "model_witness", "PagedModel", "ReferenceModel", "load_model"]

@@ -58,6 +58,14 @@ class PagedModel:
         """Logits [T, vocab] for every position of `tokens`, with no cache at all."""
         raise NotImplementedError
 
+    def computation(self) -> dict:
+        """What, besides its tensors, decides the KV and states this model computes (the
+        L3 witness binds it: one fleet name over two configs must not share pages); the
+        same model loaded from another layout (GGUF, safetensors) gives the same."""
+        cfg = self.config
+        fields = cfg if isinstance(cfg, dict) else {k: getattr(cfg, k) for k in getattr(cfg, "__dataclass_fields__", ())}
+        return {"model": type(self).__name__, "config": fields}
+
     def to(self, device) -> "PagedModel":
         self.weights = _to(self.weights, torch.device(device))
         return self

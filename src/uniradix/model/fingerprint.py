@@ -8,8 +8,12 @@ remembers each file's digest in a small JSON cache keyed by the file's real path
 size, mtime_ns and inode, so that a restart does not rehash gigabytes.
 `weights_witness` is the cheap one: a digest of the names, dtypes, shapes and a few
 fixed elements of up to 512 tensors, computed from the loaded tensors in milliseconds
-however big the model, that the L3 tier stores in its namespace and checks (see
-hicache.witness)."""
+however big the model. `model_witness` is what the L3 tier stores in its namespace and
+checks (see hicache.witness): the model's computation (what besides its tensors decides
+the KV: PagedModel.computation) with the cheap witness where the namespace's name
+already carries the weights' digest, or with every byte of the loaded tensors where it
+does not (a fleet's own model_fingerprint: weights that differ anywhere, in a few
+embedding rows or in tensors a sample would skip, must not share a name)."""
 from __future__ import annotations
 
 import hashlib
@@ -41,6 +45,16 @@ WITNESS_TENSORS = 512
 
 
 # ---------------------------------------------------------------- the witness
+def model_witness(weights, computation: dict, whole: bool) -> str:
+    """SHA-256 (hex) of `computation` (JSON) and the weights: all of their bytes
+    (weights_fingerprint, about a second per GB) when `whole`, else weights_witness."""
+    evidence = weights_fingerprint(weights) if whole else weights_witness(weights)
+    text = json.dumps(computation, sort_keys=True, separators=(",", ":"), default=repr).encode()
+    h = hashlib.sha256(b"uniradix-model-witness-v2\0" + (b"whole\0" if whole else b"sampled\0"))
+    h.update(bytes.fromhex(evidence) + len(text).to_bytes(8, "little") + text)
+    return h.hexdigest()
+
+
 def weights_witness(weights) -> str:
     """SHA-256 (hex) over the number of tensors and, for up to WITNESS_TENSORS of them
     (evenly spaced in the order of their canonical names: the dotted path in the weights,

@@ -356,12 +356,16 @@ def test_the_witness_is_the_values_not_the_file_format(tiny, variant, tmp_path):
     in safetensors, and differs from the original checkpoint's where quantization
     changed them: what a namespace shares is decided by the values the engine computes
     with."""
-    from uniradix.model import weights_witness
+    from uniradix.model import model_witness, weights_witness
     from uniradix.model.hf import load_checkpoint
     from uniradix.model.hf.gguf import read_gguf
     ours = load_checkpoint(tiny[variant])
     same = load_checkpoint(same_weights_dir(tmp_path, tiny, read_gguf(tiny[variant])))
     assert weights_witness(ours.weights) == weights_witness(same.weights)
+    # and so is the computation the L3 witness binds beside them (the GGUF's metadata and
+    # config.json read alike): one fleet name may serve either file
+    assert ours.computation() == same.computation()
+    assert model_witness(ours.weights, ours.computation(), True) == model_witness(same.weights, same.computation(), True)
     if variant == "quant":
         assert weights_witness(ours.weights) != weights_witness(load_checkpoint(tiny["hf"]).weights)
 

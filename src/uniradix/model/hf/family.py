@@ -9,7 +9,9 @@ recurrent layers keep)."""
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 
 import torch
 
@@ -35,6 +37,18 @@ def config_source(path: str) -> str:
     """Where a checkpoint's config came from, for errors: its config.json, or a GGUF
     file's metadata (read into the same keys)."""
     return f"{path}: GGUF metadata" if path.endswith(".gguf") and not os.path.isdir(path) else f"{path}: config.json"
+
+
+def _as_float32(x):
+    """Every float in nested dicts and lists rounded to float32, as the forward adds it
+    to float32 tensors (a GGUF stores rms_norm_eps 1e-6 as 9.99999997e-07: one value)."""
+    if isinstance(x, float):
+        return struct.unpack("<f", struct.pack("<f", x))[0] if math.isfinite(x) else x
+    if isinstance(x, dict):
+        return {k: _as_float32(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_as_float32(v) for v in x]
+    return x
 
 
 class HFModel(PagedModel):
@@ -88,6 +102,21 @@ class HFModel(PagedModel):
         self.heads, self.kv_heads, self.head_dim = self.attention_shape(self.config)
         self.rope = self._rope_tables()
         self.check_weights()
+
+    #: keys of `defaults` that decide nothing the cache stores: the context (the layers'
+    #: RoPE setups carry what it derives), and what the tensors' own shapes and names say
+    not_computation: tuple = ("max_position_embeddings", "tie_word_embeddings", "vocab_size")
+
+    def computation(self) -> dict:
+        """The family, the precision, each layer's kind, window and RoPE, and every other
+        key the family reads (`defaults`), as read: one model in two layouts (config.json
+        with safetensors, a GGUF's metadata) gives the same, another window, norm epsilon
+        or query scale does not."""
+        keys = sorted({k for table in self.defaults.values() for k in table} - set(self.not_computation))
+        return _as_float32({"family": type(self).__name__, "dtype": str(self.dtype),
+                            "residual": str(self.residual_dtype), "quantization": self.quantization,
+                            "layers": [[lay.kind, lay.window, lay.rope] for lay in self.layers],
+                            "config": {k: self.config.get(k) for k in keys}})
 
     # ------------------------------------------------------------------ config.json
     @classmethod
