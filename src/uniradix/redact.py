@@ -3,9 +3,13 @@ lines, log records and error messages. One rule says which names hold a secret
 (`secret_name`), one function masks the secrets inside any text (`redact`):
 
 - a URL's password, with or without a user (`redis://user:pw@host`,
-  `redis://:pw@host`) and a user alone, which is often a token (`https://TOKEN@host`);
+  `redis://:pw@host`, one with an unescaped `/`, `?`, `#` or `@` in it: everything to
+  the last `@` of the URL) and a user alone, which is often a token
+  (`https://TOKEN@host`);
 - the value of every key=value pair whose key names a secret, in a query string or a
-  DSN (`?password=`, `&pw=`, `;AuthToken=`), in any case;
+  DSN (`?password=`, `&pw=`, `;AuthToken=`, `password = x`), in any case;
+- the value after `key: ` where the key names a secret (`password: x`, a header
+  `Authorization: Bearer x`), and the credential after `Bearer` or `Basic`;
 - a quoted key naming a secret with its quoted value (`"password": "x"`,
   `password='x'`, `'password': b'x'`), as JSON text and Python reprs print them;
 - a number under a quoted key naming a secret (`"pin_token": 1234`).
@@ -32,10 +36,12 @@ MASK = "***"          # what replaces a secret inside a text
 HIDDEN = "<hidden>"   # what replaces a whole value
 
 #: a name holds a secret when one of its words is one of these...
-_SECRET_WORDS = frozenset(("pw", "pwd", "pass", "passphrase", "token", "key", "auth", "sig", "signature",
-                           "cookie", "psk", "sas"))
+_SECRET_WORDS = frozenset(("pw", "pwd", "pass", "passphrase", "passcode", "token", "key", "auth", "sig", "signature",
+                           "cookie", "psk", "sas", "bearer", "jwt", "hmac", "otp"))
+#: ...or ends with one of these (a compound written as one word: authkey, accesstoken)...
+_SECRET_ENDINGS = ("key", "token", "pass", "pwd")
 #: ...or when it contains one of these anywhere...
-_SECRET_PARTS = ("passw", "secret", "credential", "apikey", "authoriz", "private")
+_SECRET_PARTS = ("passw", "secret", "credential", "apikey", "authoriz", "private", "privkey")
 #: ...unless its last word is one of these: it names where or what kind, not the secret
 _QUALIFIERS = frozenset(("prefix", "suffix", "path", "file", "filename", "dir", "directory", "name", "type",
                          "mode", "env", "format", "size", "len", "length", "count", "limit", "timeout", "ttl",
@@ -46,10 +52,16 @@ _DECLARED_PLAIN: set[str] = set()
 
 _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 _NOT_ALNUM = re.compile(r"[^a-z0-9]+")
-#: scheme://userinfo@ : the userinfo runs to the last @ before the path, query or fragment
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)([^\s/?#]*)@")
-#: key=value, unquoted (a query string, a DSN); the value ends before a quote, escaped or not
-_PAIR = re.compile(r"""([A-Za-z0-9_.\-]+)=((?:[^&;#\s,'"\\)\]}]|\\(?!['"]))+)""")
+#: scheme://userinfo@ : the userinfo runs to the last @ of the URL (a password may hold
+#: an unescaped / ? # or @: whatever comes before the last @ is masked)
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)([^\s'\"<>]*)@")
+#: key=value, unquoted (a query string, a DSN: `password = x` too); the value ends before
+#: a quote, escaped or not
+_PAIR = re.compile(r"""([A-Za-z0-9_.\-]+)(\s*=\s*)((?:[^&;#\s,'"\\)\]}]|\\(?!['"]))+)""")
+#: key: value, unquoted, a space after the colon (YAML, a header, a log line)
+_COLON = re.compile(r"""(?<![\w'"])([A-Za-z][A-Za-z0-9_.\-]*):([ \t]+)(?:(Bearer|Basic|Token)[ \t]+)?([^\s'",;]+)""")
+#: an HTTP credential wherever it stands: `Bearer x`, `Basic x`
+_SCHEME_CREDENTIAL = re.compile(r"\b(Bearer|Basic)([ \t]+)([A-Za-z0-9._~+/=\-]{6,})")
 #: 'key': 'value', "key"="value", key='value', 'key': b'value' (JSON text, Python reprs)
 _QUOTED = re.compile(r"""(['"]?)([A-Za-z0-9_.\-]+)\1(\s*[:=]\s*(?:[bB][rR]?|[rR][bB]?)?)(['"])((?:\\.|(?!\4).)*)\4""")
 #: 'key': 1234, "key": 1.5 (a number in JSON text or a repr)
@@ -76,7 +88,7 @@ def secret_name(name) -> bool:
         return False
     if any(p in text for p in _SECRET_PARTS):
         return True
-    return not _SECRET_WORDS.isdisjoint(words)
+    return not _SECRET_WORDS.isdisjoint(words) or any(w.endswith(_SECRET_ENDINGS) and len(w) > 4 for w in words)
 
 
 def _userinfo(m: re.Match) -> str:
@@ -85,7 +97,14 @@ def _userinfo(m: re.Match) -> str:
 
 
 def _pair(m: re.Match) -> str:
-    return f"{m.group(1)}={MASK}" if secret_name(m.group(1)) else m.group(0)
+    return f"{m.group(1)}{m.group(2)}{MASK}" if secret_name(m.group(1)) else m.group(0)
+
+
+def _colon(m: re.Match) -> str:
+    if not secret_name(m.group(1)):
+        return m.group(0)
+    scheme = f"{m.group(3)} " if m.group(3) else ""
+    return f"{m.group(1)}:{m.group(2)}{scheme}{MASK}"
 
 
 def _quoted_number(m: re.Match) -> str:
@@ -106,10 +125,40 @@ def redact(text) -> str:
         text = _USERINFO.sub(_userinfo, text)
     if "=" in text:
         text = _PAIR.sub(_pair, text)
+    if ":" in text:
+        text = _COLON.sub(_colon, text)
+    if "Bearer" in text or "Basic" in text:
+        text = _SCHEME_CREDENTIAL.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", text)
     if "'" in text or '"' in text:
         text = _QUOTED.sub(_quoted, text)
         text = _QUOTED_NUMBER.sub(_quoted_number, text)
     return text
+
+
+def mask_known(text, secrets) -> str:
+    """`text` redacted, and every occurrence of each of `secrets` (strings a caller knows
+    to be secret, 3 characters or more) masked too: a library's message may quote a
+    piece of a password it could not parse, with nothing around it that says so."""
+    text = redact(text)
+    for secret in sorted({str(x) for x in secrets if x and len(str(x)) >= 3}, key=len, reverse=True):
+        text = text.replace(secret, MASK)
+    return text
+
+
+def url_secrets(url: str) -> list[str]:
+    """The secret parts of a URL as written: its userinfo's password (everything between
+    the first ':' after the scheme and the last '@'), each piece of it between the
+    delimiters a URL parser splits at, and the values of its secret query keys."""
+    out = []
+    m = _USERINFO.search(url or "")
+    if m:
+        user, colon, password = m.group(2).partition(":")
+        secret = password if colon else user
+        out += [secret, *re.split(r"[:/?#@\[\]]", secret)]
+    for q in _PAIR.finditer(url or ""):
+        if secret_name(q.group(1)):
+            out.append(q.group(3))
+    return [x for x in out if x]
 
 
 def redact_value(name, value):

@@ -25,7 +25,7 @@ import math
 import re
 import threading
 import weakref
-from ...redact import redact
+from ...redact import mask_known, redact, url_secrets
 from ..log_limit import LogLimiter
 from ..storage import KEY_RE, StorageBackend, StorageUnavailable, check_key
 
@@ -82,6 +82,7 @@ class RedisBackend(StorageBackend):
 
         self.url = url
         self.safe_url = redact_url(url)
+        self._secrets = url_secrets(url)  # masked in redis-py's own messages too (it may quote a piece)
         self.prefix = prefix
         self.socket_timeout = float(socket_timeout)
         self._redis = redis
@@ -111,10 +112,10 @@ class RedisBackend(StorageBackend):
         except TypeError as e:
             unknown = re.search(r"unexpected keyword argument '([^']*)'", str(e))
             what = f"unknown query option {unknown.group(1)!r} (redis-py's are lower case: password, db, " \
-                   f"username, ...)" if unknown else str(e)
+                   f"username, ...)" if unknown else self._masked(e)
             raise ValueError(f"redis backend: bad url {self.safe_url!r}: {what}") from None
         except ValueError as e:
-            raise ValueError(f"redis backend: bad url {self.safe_url!r}: {e}") from e
+            raise ValueError(f"redis backend: bad url {self.safe_url!r}: {self._masked(e)}") from None
         self.client = redis.Redis(connection_pool=self.pool)
         # Say early if the server is not there, but do not fail: the engine keeps serving
         # without L3 (every call raises StorageUnavailable) and picks it up once it answers.
@@ -153,11 +154,15 @@ class RedisBackend(StorageBackend):
         except (exc.ConnectionError, exc.TimeoutError, OSError) as e:
             self._count(errors=1)
             what = "timed out" if isinstance(e, exc.TimeoutError) else "unreachable"
-            raise StorageUnavailable(f"redis backend: {self.safe_url} {what}: {e}") from e
+            raise StorageUnavailable(f"redis backend: {self.safe_url} {what}: {self._masked(e)}") from e
         except exc.RedisError as e:  # a protocol error or a refused command: not usable
             self._count(errors=1)
             raise StorageUnavailable(f"redis backend: {self.safe_url} failed: "
-                                     f"{type(e).__name__}: {e}") from e
+                                     f"{type(e).__name__}: {self._masked(e)}") from e
+
+    def _masked(self, e: Exception) -> str:
+        """redis-py's message with this URL's secrets masked, pieces of them included."""
+        return mask_known(str(e), self._secrets)
 
     def _pipeline(self, build) -> list:
         """One round trip: `build(pipe)` queues the commands; per-command error replies
