@@ -56,7 +56,7 @@ def test_missing_redis_package_says_how_to_install(monkeypatch):
 # --------------------------------------------------------------------------- round trips
 def test_batch_contains_is_one_round_trip(monkeypatch):
     # 2,000 keys (one 2,000-token request at page size 1): one pipeline, one send, and
-    # on the server one EXISTS per key and nothing else.
+    # on the server one TOUCH per key and nothing else.
     import redis
     with redis_server() as s, RedisBackend(s.url) as b, redis.Redis.from_url(s.url) as raw:
         ks = keys(2000, ns="rt")
@@ -75,10 +75,30 @@ def test_batch_contains_is_one_round_trip(monkeypatch):
         assert got == [i % 3 == 0 for i in range(2000)]
         assert len(sends) == 1
         stats = raw.info("commandstats")
-        assert stats["cmdstat_exists"]["calls"] == 2000
+        assert stats["cmdstat_touch"]["calls"] == 2000
         mine = {k for k in stats if not k.startswith(("cmdstat_config", "cmdstat_info"))}
-        assert mine == {"cmdstat_exists"}
+        assert mine == {"cmdstat_touch"}
         assert b.stats()["exists_calls"] == 1
+
+
+def test_checking_keys_keeps_them_in_an_lru_store():
+    """Before: the membership check was EXISTS, which is no use of a key to Redis's LRU:
+    under maxmemory-policy allkeys-lru a hot prefix (served from the device, so only
+    ever checked by each write, never read) aged and was the first evicted, and a fresh
+    server could not resume it. The check is now a use (TOUCH): the colder keys go."""
+    with redis_server("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "10") as s, \
+            RedisBackend(s.url) as b:
+        value = b"v" * 16384
+        hot, cold, more = keys(20, ns="hot"), keys(100, ns="cold"), keys(120, ns="more")
+        assert all(b.batch_set(hot, [value] * len(hot)))
+        time.sleep(1.1)  # Redis's LRU clock ticks once a second
+        assert all(b.batch_set(cold, [value] * len(cold)))
+        time.sleep(1.1)
+        assert b.batch_contains(hot) == [True] * len(hot)   # a write re-checking what it believes stored
+        for k in more:  # past maxmemory: Redis evicts the least recently used
+            b.batch_set([k], [value])
+        assert sum(b.batch_contains(cold)) < len(cold)      # evictions happened...
+        assert b.batch_contains(hot) == [True] * len(hot)   # ...and took none of the hot keys
 
 
 # --------------------------------------------------------------------------- faults

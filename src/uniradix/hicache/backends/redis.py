@@ -2,7 +2,7 @@
 object bytes. Works with any server that speaks the Redis protocol (redis-server,
 Valkey). Engines that point at the same server and prefix share their L3.
 
-Batch calls go through one pipeline each (one round trip; batch_contains: one EXISTS
+Batch calls go through one pipeline each (one round trip; batch_contains: one TOUCH
 per key, in one pipeline). A server that cannot be reached or does not answer within
 `socket_timeout` raises `StorageUnavailable` naming the URL; a per-key error reply to a
 SET (OOM under `maxmemory` with `noeviction`, a read-only replica) stores nothing for
@@ -174,17 +174,20 @@ class RedisBackend(StorageBackend):
         return self._call(run)
 
     def _exists(self, keys: list[str]) -> list[bool]:
-        """One pipeline of EXISTS, one per key (one round trip). An error reply is
-        False, counted (errors, bad_replies) and logged."""
+        """One pipeline of TOUCH, one per key (one round trip): whether each is there,
+        and, unlike EXISTS, a use of it, so a store evicting by LRU (maxmemory-policy
+        allkeys-lru) keeps the pages every write finds still stored, the hot prefix
+        first, instead of aging them while they are served from the device. An error
+        reply is False, counted (errors, bad_replies) and logged."""
         names = [self._k(k) for k in keys]
         self._count(exists_calls=1)
         if not names:
             return []
-        replies = self._pipeline(lambda p: [p.exists(n) for n in names])
+        replies = self._pipeline(lambda p: [p.touch(n) for n in names])
         bad = [r for r in replies if isinstance(r, Exception)]
         if bad:
             self._count(bad_replies=len(bad), errors=len(bad))
-            self.failure_log.failure("failed existence checks", "%d of %d EXISTS failed: %s",
+            self.failure_log.failure("failed existence checks", "%d of %d TOUCH failed: %s",
                                      len(bad), len(names), _describe(bad[0]), count=len(bad))
         return [not isinstance(r, Exception) and bool(r) for r in replies]
 
