@@ -29,6 +29,7 @@ import time
 import torch
 
 LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "aten::bmm", "aten::_weight_int8pack_mm",
+              "mkldnn::_linear_pointwise",
               "aten::_weight_int4pack_mm_for_cpu", "aten::einsum")
 ATTENTION_OPS = ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                  "aten::_scaled_dot_product_attention_math", "aten::index_select", "aten::index_copy_",

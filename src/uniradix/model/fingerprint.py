@@ -71,6 +71,7 @@ def weights_witness(weights) -> str:
     head, by_dtype = [n], {}
     for i in chosen:
         name, t = named[i]
+        t = _dense(t)
         if t.layout != torch.strided or t.is_meta:
             raise TypeError(f"weights at {name}: cannot witness a {t.layout} {'meta ' if t.is_meta else ''}tensor")
         t = t.detach()
@@ -147,7 +148,7 @@ def _walk(x, path: list, records: list, tensors: list) -> None:
     """The structure's records and its tensors, in one deterministic order."""
     x = _as_dict(x)
     if isinstance(x, torch.Tensor):
-        if x.layout != torch.strided or x.is_meta:
+        if x.layout not in (torch.strided, torch._mkldnn) or x.is_meta:
             raise TypeError(f"weights at {_where(path)}: cannot fingerprint a {x.layout} "
                             f"{'meta ' if x.is_meta else ''}tensor")
         records.append(("tensor", path, str(x.dtype), list(x.shape)))
@@ -168,6 +169,12 @@ def _walk(x, path: list, records: list, tensors: list) -> None:
         raise TypeError(f"weights at {_where(path)}: expected a tensor, dict or list, got {type(x).__name__}")
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A weight packed for oneDNN (mkldnn layout: model.hf.gemm.pack) as the dense tensor
+    of its values, which is what a witness or a fingerprint reads; any other as it is."""
+    return t.to_dense() if t.layout == torch._mkldnn else t
+
+
 def _as_dict(x):
     """A weight held in another form than a tensor (model.hf.quant: int8 codes and
     scales, ...) as the dict of the tensors that define it; anything else as it is."""
@@ -182,7 +189,7 @@ def _where(path: list) -> str:
 def _tensor_digest(t: torch.Tensor) -> bytes:
     """SHA-256 of the tensor's bytes, read by hashlib straight from its buffer (no
     per-element work; a CPU copy only for a tensor on another device)."""
-    t = t.detach().resolve_conj().resolve_neg().to("cpu").contiguous().reshape(-1)
+    t = _dense(t.detach()).resolve_conj().resolve_neg().to("cpu").contiguous().reshape(-1)
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
     raw = t.view(torch.uint8)  # bfloat16 and float8 too: numpy has no such dtypes, bytes it has

@@ -21,6 +21,7 @@ from ..paged import head_rows
 from .checkpoint import Checkpoint
 from .config_forms import FULL, HYBRID, LINEAR, SLIDING, ConfigError, Layer, layer_count, listed_kinds, single_rope, \
     with_defaults
+from .gemm import pack, unpack
 from .ops import Batch, rope_inv_freq
 from .quant import check_scheme, quantize, stored_scheme
 
@@ -360,9 +361,44 @@ class HFModel(PagedModel):
 
     def tied_head(self, embed: str | None = None) -> torch.Tensor:
         """lm_head.weight, or the embedding where the checkpoint ties them (check_weights
-        made sure the config allows it)."""
+        made sure the config allows it; after pack_linears, the embedding's packed copy)."""
         head = self.weights.get("lm_head.weight")
-        return head if head is not None else self.w(embed or self.embed_weight)
+        if head is not None:
+            return head
+        if embed is None and self._packed_head is not None:
+            return self._packed_head
+        return self.w(embed or self.embed_weight)
+
+    # ------------------------------------------------------------------ where it runs
+    _packed_head = None   # a tied head's packed copy (the embedding stays dense for the lookup)
+    #: whether pack_linears packs (False: torch's default GEMM on dense weights, the
+    #: baseline benchmarks/engine_ab.py measures against)
+    packs = True
+
+    def to(self, device) -> "HFModel":
+        """The weights on `device`; on the CPU, the linear weights packed (pack_linears)."""
+        device = torch.device(device)
+        if device.type != "cpu":
+            self.weights = {k: unpack(v) for k, v in self.weights.items()}
+            self._packed_head = None
+        super().to(device)
+        if device.type == "cpu":
+            self.pack_linears()
+        return self
+
+    def pack_linears(self) -> "HFModel":
+        """Every dense linear weight, the head included, in oneDNN's layout where this CPU
+        multiplies its dtype fast (gemm.pack: 2-3x faster float32 products). The values
+        stay the weights' own (the witness reads them back); a tied head gets a packed
+        copy of its own. Quantized weights and expert stacks keep their forms."""
+        if not self.packs:
+            return self
+        for name in self.linear_weights():
+            self.weights[name] = pack(self.weights[name])
+        if "lm_head.weight" not in self.weights and self._packed_head is None:
+            head = pack(self.w(self.embed_weight))
+            self._packed_head = head if head.layout == torch._mkldnn else None
+        return self
 
     @property
     def lm_head(self):
@@ -407,12 +443,13 @@ class HFModel(PagedModel):
             raise ValueError(f"{self.ckpt.path}: already quantized as {self.quantization}")
         bits = self.ckpt.stored_bits
         if "lm_head.weight" not in self.weights:
-            self.weights["lm_head.weight"] = self.tied_head()
+            self.weights["lm_head.weight"] = unpack(self.tied_head())
+            self._packed_head = None
             if self.embed_weight in bits:
                 bits = {**bits, "lm_head.weight": bits[self.embed_weight]}
         for name in self.linear_weights():
             s = stored_scheme(bits.get(name)) if scheme == "stored" else scheme
-            self.weights[name] = quantize(self.weights[name], s)
+            self.weights[name] = quantize(unpack(self.weights[name]), s)
         self.quantization = scheme
         return self
 

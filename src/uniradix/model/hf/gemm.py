@@ -7,7 +7,17 @@ float16 at 64 rows 20 ms against 2 ms in float32 and 0.8 ms in bfloat16; on an A
 CPU without BF16, [256, 640] @ [640, 2048]: 4.7 ms in float32, 21 ms in bfloat16, 50 ms
 in float16). There a product of more than one row runs in float32:
 the operands convert exactly, and only the one rounding of the result back remains. One
-row (a decode step) keeps the dtype: torch's matrix-vector path is fast in any of them."""
+row (a decode step) keeps the dtype: torch's matrix-vector path is fast in any of them.
+
+Where oneDNN multiplies the dtype fast, a weight is packed once into oneDNN's own
+blocked layout (`pack`) and multiplied by its linear kernel: on the CPU that runs
+float32 products 2-3x faster than torch's default BLAS (measured on an AVX-512 AMD
+CPU: a 512-row [2048, 640] product 14.5 ms against 6.1 ms; the Gemma 3 270M head,
+[262144, 640], at 1 and 4 rows 46 and 91 ms against 18 and 24 ms), and bfloat16 heads
+2x faster; and a row gets the same value alone or among many (bfloat16 always,
+float32 but for a single row over a long inner dimension), as the exactness of reuse
+likes. A packed weight is a tensor in torch's mkldnn layout: its values, shape and
+dtype are the dense weight's (`to_dense()` gives them back, for the witness)."""
 from __future__ import annotations
 
 import functools
@@ -17,12 +27,40 @@ import torch.nn.functional as F
 
 
 def dense(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b) in x's dtype, multiplied in gemm_dtype."""
+    """F.linear(x, w, b) in x's dtype, multiplied in gemm_dtype (a packed weight: by
+    oneDNN, in its dtype)."""
+    if w.layout == torch._mkldnn:
+        y = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), w, None if b is None else b.to(w.dtype), "none", [], "")
+        return y.to(x.dtype)
     dtype = gemm_dtype(w.dtype, x.device) if x.numel() > x.shape[-1] else w.dtype
     if dtype == x.dtype == w.dtype:
         return F.linear(x, w, b)
     y = F.linear(x.to(dtype), w.to(dtype), None if b is None else b.to(dtype))
     return y.to(x.dtype)
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """W [out, in] in oneDNN's layout for its linear kernel, where that is fast (a CPU
+    tensor in float32, or a 16-bit dtype this CPU multiplies natively); else W itself."""
+    if not packable(w):
+        return w
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
+    except (RuntimeError, AttributeError):  # a dtype this oneDNN build cannot pack; an older torch
+        return w
+
+
+def packable(w) -> bool:
+    """Whether `pack` would pack W."""
+    return (isinstance(w, torch.Tensor) and w.layout == torch.strided and w.device.type == "cpu" and w.dim() == 2
+            and w.numel() > 0 and w.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and gemm_dtype(w.dtype, w.device) == w.dtype and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def unpack(w):
+    """A packed weight as the dense tensor it holds; anything else as it is."""
+    return w.to_dense() if isinstance(w, torch.Tensor) and w.layout == torch._mkldnn else w
 
 
 def gemm_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -57,4 +95,4 @@ def _cpu_flags() -> set:
     return set()
 
 
-__all__ = ["dense", "gemm_dtype", "fast_cpu_gemm"]
+__all__ = ["dense", "pack", "packable", "unpack", "gemm_dtype", "fast_cpu_gemm"]
