@@ -139,39 +139,40 @@ class UnifiedRadixCache(Running, Finishing):
         """Allocate what the request needs (its own pages, its state slot, device room
         for the slots to load from the host) in one all-or-nothing step, start the
         load, and hand out the reused handles."""
-        b, P = m.boundary, self.page_size
+        b, P, loads, ckpt = m.boundary, self.page_size, m.loads, self.ckpt
+        ntokens = len(key) >> 2
         need = [0] * len(self.pools)
-        for ci, nd in m.loads:
+        for ci, nd in loads:
             need[ci] += len(nd.host[ci])
-        want = -(-(len(key) >> 2) // P) if alloc else 0
-        if want > b // P:
+        own_pages = -(-ntokens // P) - b // P if alloc else 0
+        if own_pages > 0:
             for c in self.page_comps:
-                need[c.index] += want - b // P
-        if self.ckpt is not None:
-            need[self.ckpt.index] += 1
+                need[c.index] += own_pages
+        if ckpt is not None:
+            need[ckpt.index] += 1
         got = self.ledger.alloc(need) if any(need) else None
         handles, jobs = m.handles, []
-        if m.loads:
-            jobs = self.host.load(m.loads, got)
+        if loads:
+            jobs = self.host.load(loads, got)
             handles = self.tree.handles_at(m.node)
         pages = {}
         for c in self.page_comps:
             h = handles[c.name]
-            if c.window is not None:
+            if c.window is not None:  # -1 for the pages before the window
                 h = _NEG * (b // P - len(h)) + h
             own = got[c.index] if got is not None else None
             pages[c.name] = h + own if own else h
         state.key, state.salt, state.priority = key, salt, priority
         state.prefix_len = state.reused = state.computed = b
         state.junction, state.pages, state.receipt, state.node = m.matched, pages, m.receipt, m.node
-        state.host_tokens = m.host_tokens if m.loads else 0
+        state.host_tokens = m.host_tokens if loads else 0
         state.held = True
-        if self.ckpt is not None:
+        if ckpt is not None:
             jobs += self._private_state(state, m, handles, got)
         if jobs:
             self.host.start(jobs)
         self.requests += 1
-        self.prompt_tokens += len(key) >> 2
+        self.prompt_tokens += ntokens
         self.hit_tokens += b
         return state
 

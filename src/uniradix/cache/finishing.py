@@ -32,7 +32,8 @@ class Finishing:
         """Insert the finished request, free what the tree did not keep, release its
         lock; with a session id, reference what the next turn will reuse. Returns the
         node the request ends at."""
-        check_session_id(session_id)  # before the insert: a bad id changes nothing
+        if session_id is not None:
+            check_session_id(session_id)  # before the insert: a bad id changes nothing
         node, _ = self._insert(req, finished=True)
         self._unlock(req.receipt)
         req.receipt, req.held = None, False
@@ -68,19 +69,24 @@ class Finishing:
         req.receipt, req.held = None, False
 
     def _unlock(self, rc: LockReceipt) -> None:
-        self.ledger.free(self.tree.unlock(rc))
+        freed = self.tree.unlock(rc)
+        if freed is not None:
+            self.ledger.free(freed)
 
     def _insert(self, req: RequestState, finished: bool, upto: int | None = None):
         P = self.page_size
         n = page_floor(req.allocated if upto is None else upto, P)
         npages = n // P
         key = req.key if upto is None else req.key[:n * TOKEN_BYTES]
-        values = {}
+        values, tails = {}, False
         for c in self.page_comps:
             pages = req.pages[c.name]
-            if len(pages) < npages:
-                raise ValueError(f"request has {len(pages)} {c.name} pages, needs {npages}: call alloc_request first")
-            values[c.name] = pages[:npages] if len(pages) > npages else pages
+            if len(pages) != npages:
+                if len(pages) < npages:
+                    raise ValueError(f"request has {len(pages)} {c.name} pages, needs {npages}: "
+                                     f"call alloc_request first")
+                pages, tails = pages[:npages], True
+            values[c.name] = pages
         if self.ckpt is not None:
             values[self.ckpt.name] = self._checkpoints_to_insert(req, n, finished)
         points = (req.junction, *req.resume_points) if req.resume_points else req.junction
@@ -89,10 +95,11 @@ class Finishing:
         node = r.node
         req.prefix_len = n
         if finished:
-            for c in self.page_comps:
-                pages = req.pages[c.name]
-                if len(pages) > npages:  # the unaligned tail is not cached
-                    self.ledger.free_device(c.index, array("i", (h for h in pages[npages:] if h >= 0)))
+            if tails:  # the unaligned tail is not cached
+                for c in self.page_comps:
+                    pages = req.pages[c.name]
+                    if len(pages) > npages:
+                        self.ledger.free_device(c.index, array("i", (h for h in pages[npages:] if h >= 0)))
             req.pages = {}
             return node, r.receipt
         # the tree now owns [0, n): the request goes on with the tree's handles

@@ -27,7 +27,7 @@ class Ledger:
     # ------------------------------------------------------------------ freeing
     def free(self, freed: Freed | None) -> None:
         """Give back what the tree let go of, in both tiers."""
-        if not freed:
+        if freed is None:
             return
         for pool, h in zip(self.pools, freed.device):
             if h:
@@ -54,51 +54,57 @@ class Ledger:
         pools = self.pools
         short = None
         for ci, k in enumerate(need):
-            if k and pools[ci].available < k:
-                if short is None:
-                    short = [0] * len(need)
-                short[ci] = k - pools[ci].available
+            if k:
+                gap = k - pools[ci].available
+                if gap > 0:
+                    if short is None:
+                        short = [0] * len(need)
+                    short[ci] = gap
         if short is None:
             return [pools[ci].alloc(k) if k else None for ci, k in enumerate(need)]
         tree = self.tree
         for ci, k in enumerate(short):
-            if k > tree.size[ci] - tree.locked[ci]:  # evicting could not make room: evict nothing
+            if k and k > tree.size[ci] - tree.locked[ci]:  # evicting could not make room: evict nothing
                 raise CacheFull(
                     f"cannot allocate {need[ci]} {self.names[ci]} handles: {pools[ci].available} free and "
                     f"{tree.evictable(self.names[ci])} evictable; the rest is locked by running requests")
         freed = self.evict_device(short)
+        evicted = freed.device
         got: list = [None] * len(need)
-        for ci, h in enumerate(freed.device):
-            k = need[ci]
-            if k and h:
-                got[ci], freed.device[ci] = h[:k], h[k:]
-        self.free(freed)
+        rest = list(need)  # what the pools still give, once the evicted handles are taken
         for ci, k in enumerate(need):
-            have = 0 if got[ci] is None else len(got[ci])
-            if pools[ci].available < k - have:
+            if k and evicted[ci]:
+                h = evicted[ci]
+                got[ci], evicted[ci] = h[:k], h[k:]
+                rest[ci] = k - len(got[ci])
+        self.free(freed)
+        for ci, k in enumerate(rest):
+            if k and pools[ci].available < k:
+                have = need[ci] - k
                 for cj, h in enumerate(got):
                     if h:
                         pools[cj].free(h)
                 raise CacheFull(
-                    f"cannot allocate {k} {self.names[ci]} handles: {pools[ci].available + have} free after "
-                    f"evicting what the tree could give up; the rest of the {pools[ci].size} is held "
+                    f"cannot allocate {need[ci]} {self.names[ci]} handles: {pools[ci].available + have} free "
+                    f"after evicting what the tree could give up; the rest of the {pools[ci].size} is held "
                     f"by running requests")
-        for ci, k in enumerate(need):
+        for ci, k in enumerate(rest):
             if k:
-                have = got[ci]
-                if have is None:
+                if got[ci] is None:
                     got[ci] = pools[ci].alloc(k)
-                elif len(have) < k:
-                    have += pools[ci].alloc(k - len(have))
+                else:
+                    got[ci] += pools[ci].alloc(k)
         return got
 
     def evict_device(self, want: list[int]) -> Freed:
         """Carry out the tree's plans until `want[ci]` device handles per component went
-        (or nothing more can): a slot to copy down is offered to the host tier first.
-        The freed handles are returned, not yet given back."""
+        (or nothing more can): a slot to copy down is offered to the host tier first
+        (without one, nothing is copied: the tree's evict_counts). The freed handles are
+        returned, not yet given back."""
         tree, host = self.tree, self.host
-        if host is not None:
-            host.sync()  # a page being loaded is locked, but its copy must end before reuse
+        if host is None:
+            return tree.evict_counts(want)
+        host.sync()  # a page being loaded is locked, but its copy must end before reuse
         freed = tree.freed()
         for ci, k in enumerate(want):
             out = freed.device[ci]
@@ -106,7 +112,7 @@ class Ledger:
                 ev = tree.next_eviction(ci)
                 if ev is None:
                     break
-                copy = host.copy_down(ev) if host is not None and ev.fate == COPY_DOWN else None
+                copy = host.copy_down(ev) if ev.fate == COPY_DOWN else None
                 tree.carry_out(ev, freed, copy)
         return tree.finish_eviction(freed)
 

@@ -24,6 +24,7 @@ import numpy as np
 __all__ = ["PoolExhausted", "DoubleFree", "HandleAllocator", "as_index_array"]
 
 _I32 = np.dtype(np.int32)
+_U32 = np.dtype(np.uint32)
 _I32_MIN = int(np.iinfo(np.int32).min)
 _I32_MAX = int(np.iinfo(np.int32).max)
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -175,7 +176,7 @@ class HandleAllocator:
             for h in out:
                 cells[h] = 0
         else:
-            self._state[np.frombuffer(out, dtype=_I32).astype(np.intp)] = 0
+            self._state[np.frombuffer(out, _I32).astype(np.intp)] = 0
         return out
 
     def free(self, handles) -> None:
@@ -198,24 +199,32 @@ class HandleAllocator:
             for h in handles:  # undo the provisional marks, then report like the bulk path
                 if 0 <= h < size and cells[h] == -1:
                     cells[h] = 0
-        try:
-            idx = as_index_array(handles)
-        except _NotInt32 as exc:
-            raise DoubleFree(f"{self._name}: {exc}") from None
-        n = idx.shape[0]
-        if n == 0:
-            return
-        # Via uint32, negative handles become huge and fail the bounds check.
-        pos = idx.view(np.uint32).astype(np.intp)
+        if type(handles) is array and handles.typecode == "i":
+            n = len(handles)
+            # Read as uint32, negative handles become huge and fail the bounds check.
+            pos = np.frombuffer(handles, _U32).astype(np.intp)
+        else:
+            try:
+                idx = as_index_array(handles)
+            except _NotInt32 as exc:
+                raise DoubleFree(f"{self._name}: {exc}") from None
+            n = idx.shape[0]
+            if n == 0:
+                return
+            pos = idx.view(_U32).astype(np.intp)
+            handles = array("i", idx.tobytes())
+            del idx
         state = self._state
         try:
             before = state[pos]
         except IndexError:
+            pos = None
+            idx = as_index_array(handles)
             msg = self._range_msg(idx)
         else:
-            if np.count_nonzero(before):
-                bad = idx[before != 0]
-                msg = f"{self._name}: freeing handles that are not allocated: {_preview(bad)}"
+            if before.tobytes() != bytes(4 * n):  # some handle is free already (0: allocated)
+                idx = as_index_array(handles)
+                msg = f"{self._name}: freeing handles that are not allocated: {_preview(idx[before != 0])}"
             else:
                 mark = self._mark
                 if mark.shape[0] < n:
@@ -225,11 +234,11 @@ class HandleAllocator:
                 if state[pos].tobytes() == mark.tobytes():
                     top = self._top
                     # all were allocated, so top + n <= size: a same-length slice copy
-                    self._free[top:top + n] = handles if type(handles) is array and \
-                        handles.typecode == "i" else array("i", idx.tobytes())
+                    self._free[top:top + n] = handles
                     self._top = top + n
                     return
                 state[pos] = 0  # undo: they were all allocated before
+                idx = as_index_array(handles)
                 msg = self._dup_msg(idx)
         # Drop our views of the caller's buffer before raising, so the
         # traceback does not pin it (a pinned array('i') cannot be resized).

@@ -168,7 +168,7 @@ class PageComponent(Component):
     def handles(self, path, b):
         ci = self.index
         out = array("i")
-        lo = self.window_start(b)
+        lo = 0 if self.window is None else self.window_start(b)
         P = self.page
         for nd in path:
             if nd.end <= lo:
@@ -178,7 +178,7 @@ class PageComponent(Component):
         return out
 
     def pin_from(self, nd):
-        return self.window_start(nd.end)
+        return 0 if self.window is None else self.window_start(nd.end)
 
     def plan(self, n, resume_points, incoming, prefix_len, out):
         # nodes split where the incoming pages start or stop being present, so that a

@@ -102,7 +102,7 @@ class Evicting:
             return Eviction(nd, ci, True, DROP_COPY if nd.value[ci] is not None else LOSE)
         if nd.host[ci] is not None:
             return Eviction(nd, ci, False, DROP_COPY)
-        return Eviction(nd, ci, False, COPY_DOWN, must_copy=ci == 0 and bool(nd.children))
+        return Eviction(nd, ci, False, COPY_DOWN, ci == 0 and bool(nd.children))
 
     def carry_out(self, ev: Eviction, freed: Freed, copy: array | None = None) -> None:
         """Apply a plan: `copy` is the host handles a COPY_DOWN slot was copied into (the
@@ -116,6 +116,11 @@ class Evicting:
                 freed.on_host[ci] += copy
             self._place(ci, nd, host)
             return
+        self._let_go(nd, ci, host, freed, copy)
+
+    def _let_go(self, nd: Node, ci: int, host: bool, freed: Freed, copy: array | None = None) -> None:
+        """Slot (nd, ci) of one tier goes, evictable as it is now (carry_out's plan, or
+        straight from the list when nothing is copied down)."""
         if host:
             if nd.value[ci] is not None:  # the device keeps it: only the copy goes
                 self._drop(nd, ci, True, freed.on_host[ci])
@@ -140,12 +145,15 @@ class Evicting:
 
     def finish_eviction(self, freed: Freed) -> Freed:
         """After a run of carry_out: list again what had to stay, count what went."""
-        kept, self._kept = self._kept, []
-        for nd in kept:
-            self._place(0, nd)
-        for ci in range(self.nc):
-            self.evicted[ci] += len(freed.device[ci])
-            self.host_evicted[ci] += len(freed.on_host[ci])
+        if self._kept:
+            kept, self._kept = self._kept, []
+            for nd in kept:
+                self._place(0, nd)
+        for ci, h in enumerate(freed.device):
+            self.evicted[ci] += len(h)
+        if any(freed.on_host):
+            for ci, h in enumerate(freed.on_host):
+                self.host_evicted[ci] += len(h)
         return freed
 
     # ------------------------------------------------------------------ without a lower tier
@@ -185,12 +193,14 @@ class Evicting:
         """evict() (or evict_host()) by component index, copying nothing down."""
         freed = self.freed()
         for ci, k in enumerate(want):
+            if not k:
+                continue
             out = freed.on_host[ci] if host else freed.device[ci]
-            while len(out) < k:
-                ev = self.next_eviction(ci, host)
-                if ev is None:
+            while len(out) < k:  # nothing to copy down: no plan to make, each slot goes as popped
+                nd = self._pop(ci, host)
+                if nd is None:
                     break
-                self.carry_out(ev, freed)
+                self._let_go(nd, ci, host, freed)
         return self.finish_eviction(freed)
 
     # ------------------------------------------------------------------ what going means
@@ -211,19 +221,21 @@ class Evicting:
 
     def _remove(self, nd: Node, freed: Freed) -> None:
         """Detach a leaf and free all its data, in both tiers."""
-        value, host, size = nd.value, nd.host, self.size
-        dev, hst = freed.device, freed.on_host
+        value, size, dev = nd.value, self.size, freed.device
         for ci in range(self.nc):
             v = value[ci]
             if v is not None:
                 dev[ci] += v
                 size[ci] -= len(v)
                 value[ci] = None
-            h = host[ci]
-            if h is not None:
-                hst[ci] += h
-                self.host_size[ci] -= len(h)
-                host[ci] = None
+        if self.hosted:  # before any host copy, every host slot is None
+            host, hst = nd.host, freed.on_host
+            for ci in range(self.nc):
+                h = host[ci]
+                if h is not None:
+                    hst[ci] += h
+                    self.host_size[ci] -= len(h)
+                    host[ci] = None
         parent = nd.parent
         del parent.children[nd.key[:self.unit]]
         nd.attached = False

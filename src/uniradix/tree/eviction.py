@@ -51,15 +51,18 @@ class TickQueue:
     def touch(self, nd) -> None:
         if not self.touch_moves:
             return
-        if nd in self.od:
+        try:
             self.od.move_to_end(nd)
-            self.last = getattr(nd, self.attr)
-        else:
+        except KeyError:  # waiting in the late heap
             self.discard(nd)
             self.add(nd)
+        else:
+            self.last = getattr(nd, self.attr)
 
     def pop(self):
         late = self.late
+        if not late:  # the common case: the oldest key is first in the ordered dict
+            return self.od.popitem(last=False)[0] if self.od else None
         while late and self.late_key.get(late[0][2]) != late[0][0]:
             heapq.heappop(late)
         if self.od:
@@ -173,6 +176,7 @@ class EvictionList:
         nd = self.plain.pop()
         if nd is None:
             nd = self.ref.pop()
-        if nd is not None:
-            nd.where[self.slot] = 0
+            if nd is None:
+                return None
+        nd.where[self.slot] = 0
         return nd

@@ -43,10 +43,17 @@ class Inserting:
                                              priority, lock)
         points = _resume_points(resume_points, n, P)
         # boundaries the components need, then values attach to whole nodes
-        plans = [(c.plan(n, points, v, prefix_len, out) if c.plans else ((), None, prefix_len))
-                 for c, v, out in zip(self.components, inc, freed.device)]
-        cuts = {p for pts, _, _ in plans for p in pts if 0 < p < n}  # plan() gives aligned ones
-        if existing < n and not cuts.difference((existing,)) and all(lo >= existing for _, _, lo in plans):
+        plans, cuts = [], set()
+        leaf = existing < n  # one new leaf, nothing to split or reconcile: _insert_leaf
+        for c, v, out in zip(self.components, inc, freed.device):
+            plan = c.plan(n, points, v, prefix_len, out) if c.plans else ((), None, prefix_len)
+            plans.append(plan)
+            for p in plan[0]:
+                if 0 < p < n:  # plan() gives aligned ones
+                    cuts.add(p)
+            if plan[2] < existing:
+                leaf = False
+        if leaf and cuts <= {existing}:
             return self._insert_leaf(key, n, inc, plans, path, root, existing, freed, priority, lock)
         return self._insert_general(key, n, inc, plans, cuts, prefix_len, path, root, existing, freed,
                                     priority, lock)
@@ -81,7 +88,8 @@ class Inserting:
             path.append(leaf)
             self._touch_path(path, priority)
             leaf.created = leaf.tick
-            self.lists[0].place(leaf, 1)
+            self.lists[0].plain.add(leaf)  # fresh: unlocked, unreferenced
+            leaf.where[0] = 1
             return InsertResult(leaf, existing, freed, self.lock(leaf) if lock else None)
         self._touch_path(path, priority)
         end = path[-1] if path else root

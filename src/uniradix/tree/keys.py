@@ -11,6 +11,10 @@ def encode(tokens) -> bytes:
     if isinstance(tokens, array) and tokens.itemsize == TOKEN_BYTES and tokens.typecode in "IiLl":
         return tokens.tobytes()
     try:
+        if type(tokens) is list:  # the common input: fromlist converts twice as fast as array(list)
+            out = array("I")
+            out.fromlist(tokens)
+            return out.tobytes()
         return array("I", tokens).tobytes()
     except OverflowError as e:
         raise ValueError(f"token ids must be in [0, 2**32): {e}") from None

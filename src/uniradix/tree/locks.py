@@ -24,17 +24,19 @@ class Locking:
 
     def _pin_all(self, nd: Node, is_lock: bool) -> LockReceipt:
         """What lock (or a session reference) at nd pins, per component, counted up."""
-        rc = LockReceipt(node=nd)
+        rc = LockReceipt(nd)
         if nd.parent is None:
             return rc
+        pins = rc.pins
         for c in self.components:
             lo = c.pin_from(nd)
             if lo is None:
                 continue
             if lo > 0:
                 self._ensure_boundary(nd, lo)
-            rc.pins.append((c.index, nd, lo))
-            self._pin(c.index, nd, lo, 1, is_lock)
+            ci = c.index
+            pins.append((ci, nd, lo))
+            self._pin(ci, nd, lo, 1, is_lock)
         return rc
 
     def unlock(self, rc: LockReceipt) -> Freed | None:
@@ -55,7 +57,8 @@ class Locking:
         return None
 
     def _pin(self, ci: int, nd: Node, lo: int, delta: int, is_lock: bool) -> None:
-        """Walk the pinned span (see Component.pin_from) and move lock or reference counts."""
+        """Walk the pinned span (see Component.pin_from) and move lock or reference counts
+        (delta +1 or -1)."""
         stop = nd.parent if lo < 0 else None  # lo < 0: the node alone
         if not is_lock:
             while nd is not stop and nd.parent is not None and nd.end > lo:
@@ -65,31 +68,46 @@ class Locking:
                     self._place(ci, nd, True)
                 nd = nd.parent
             return
-        while nd is not stop and nd.parent is not None and nd.end > lo:
+        # the handles whose slot becomes pinned (or unpinned), added to the totals once;
+        # with lo >= 0 the walk ends at the root, whose end (0) is never past lo
+        dev = hst = 0
+        hosted = self.hosted  # before any host copy, every host slot is None
+        if delta > 0:
+            while nd is not stop and nd.end > lo:
+                locks = nd.locks
+                if not locks[ci]:  # stays listed; eviction skips it
+                    v = nd.value[ci]
+                    if v is not None:
+                        dev += len(v)
+                    if hosted and nd.host[ci] is not None:
+                        hst += len(nd.host[ci])
+                locks[ci] += 1
+                nd = nd.parent
+            self.locked[ci] += dev
+            if hst:
+                self.host_locked[ci] += hst
+            return
+        while nd is not stop and nd.end > lo:
             locks = nd.locks
-            before = locks[ci]
-            after = before + delta
-            locks[ci] = after
-            if not before or not after:
-                v, h = nd.value[ci], nd.host[ci]
-                if after:  # stays listed; eviction skips it
-                    if v is not None:
-                        self.locked[ci] += len(v)
-                    if h is not None:
-                        self.host_locked[ci] += len(h)
-                else:  # references may have changed while locked: re-rank
-                    if v is not None:
-                        self.locked[ci] -= len(v)
-                        if ci or not nd.children:  # the common case, inline
-                            tier = 2 if nd.refs[ci] else 1
-                            if tier == 2 or nd.where[ci] != tier:
-                                self.lists[ci].place(nd, tier)
-                        else:
-                            self._place(ci, nd)
-                    if h is not None:
-                        self.host_locked[ci] -= len(h)
-                        self._place(ci, nd, True)
+            left = locks[ci] - 1
+            locks[ci] = left
+            if not left:  # references may have changed while locked: re-rank
+                v = nd.value[ci]
+                if v is not None:
+                    dev += len(v)
+                    if ci or not nd.children:  # the common case, inline
+                        tier = 2 if nd.refs[ci] else 1
+                        if tier == 2 or nd.where[ci] != tier:
+                            self.lists[ci].place(nd, tier)
+                    elif hosted:  # without a host tier every child holds FULL on the device
+                        self._place(ci, nd)
+                if hosted and nd.host[ci] is not None:
+                    hst += len(nd.host[ci])
+                    self._place(ci, nd, True)
             nd = nd.parent
+        self.locked[ci] -= dev
+        if hst:
+            self.host_locked[ci] -= hst
 
     # ------------------------------------------------------------------ sessions
     def register_session(self, session_id, nd: Node) -> None:

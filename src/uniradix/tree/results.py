@@ -5,6 +5,9 @@ from array import array
 from dataclasses import dataclass, field
 
 
+_EMPTY = array("i")
+
+
 class Freed:
     """Handles the tree let go of, for the caller to free: `device[i]` and `on_host[i]`
     per component index; by name, `freed["swa"]` (device) and `freed.host["swa"]`."""
@@ -13,8 +16,11 @@ class Freed:
 
     def __init__(self, names: list[str]) -> None:
         self.names = names
-        self.device = [array("i") for _ in names]
-        self.on_host = [array("i") for _ in names]
+        self.device = device = []
+        self.on_host = on_host = []
+        for _ in names:  # made per request and per eviction: slicing an empty array is the cheap new one
+            device.append(_EMPTY[:])
+            on_host.append(_EMPTY[:])
 
     def __getitem__(self, name: str) -> array:
         return self.device[self.names.index(name)]

@@ -71,6 +71,7 @@ class RadixTree(Inserting, Locking, Tiers, Evicting):
         # the host tier's queues: slot nc + i of Node.where
         self.host_lists = [EvictionList(i, eviction_policy, self.nc + i) for i in range(self.nc)]
         self._queues = [lst._queues for lst in self.lists + self.host_lists]  # for touch
+        self._device_slots, self._all_slots = range(self.nc), range(2 * self.nc)  # of Node.where
         self.roots: dict[str | None, Node] = {}   # by salt_key(salt)
         self.salts: dict[str | None, object] = {}  # the salt each root was made for
         self.clock = 0
@@ -117,22 +118,22 @@ class RadixTree(Inserting, Locking, Tiers, Evicting):
         the host tier count (`host=False`: device data alone): `result.loads` lists them,
         and `result.handles` is None until they are loaded (set_device, then handles_at)."""
         key = tokens if isinstance(tokens, bytes) else encode(tokens)
-        path, matched, limits, b = self._reach(key, self.root(salt), host)
+        root = self.root(salt)
+        path, matched, limits, b = self._reach(key, root, host)
         # the reuse path ends exactly at b: split the node that contains it
-        cut = 0
-        for x in path:
-            if x.end > b:
-                break
-            cut += 1
-        touched = path
-        if cut < len(path) and path[cut].start < b:
-            up = self._split(path[cut], b - path[cut].start)
-            touched = path[:cut] + [up] + path[cut:]
-            cut += 1
-            path = touched
-        self._touch_path(touched, priority)
+        cut = len(path)
+        if path and path[-1].end > b:
+            cut = 0
+            for x in path:
+                if x.end > b:
+                    break
+                cut += 1
+            if path[cut].start < b:
+                path.insert(cut, self._split(path[cut], b - path[cut].start))
+                cut += 1
+        self._touch_path(path, priority)
         reuse = path[:cut]
-        end = reuse[-1] if reuse else self.root(salt)
+        end = reuse[-1] if reuse else root
         deepest = dict(zip(self.names, limits))
         if not (self.hosted and host and reuse):
             handles = {}
@@ -174,28 +175,31 @@ class RadixTree(Inserting, Locking, Tiers, Evicting):
         if self._single:
             return path, matched, (matched,), matched
         if host or not self.hosted:
-            # FULL is on every node the tree has (in some tier): it accepts all of [0, matched]
-            cur = [(0, matched)]
+            # FULL is on every node the tree has (in some tier): it accepts all of [0, matched],
+            # so the first rule's intervals are the intersection as they are (cur None)
+            cur, limits = None, [matched]
         else:
             cur = self.components[0].accepted(path, matched, False)
-        limits = [cur[-1][1]]
+            limits = [cur[-1][1]]
         for c in self._rules:
             a = c.accepted(path, matched, host)
             limits.append(a[-1][1])
-            cur = intersect(cur, a)
-        return path, matched, limits, cur[-1][1]
+            cur = a if cur is None else intersect(cur, a)
+        return path, matched, limits, matched if cur is None else cur[-1][1]
 
     def _touch_path(self, path: list[Node], priority) -> None:
         """An access: LRU ticks root to leaf (deeper is newer), LFU hits, request priority."""
+        if priority is not None:
+            for nd in path:  # before the queues see the nodes: it is in their key
+                if priority > nd.priority:
+                    nd.priority = priority
         clock = self.clock
         queues = self._queues
-        slots = range(2 * self.nc if self.hosted else self.nc)  # host queues only once used
+        slots = self._all_slots if self.hosted else self._device_slots  # host queues only once used
         for nd in path:
             clock += 1
             nd.tick = clock
             nd.hits += 1
-            if priority is not None and priority > nd.priority:
-                nd.priority = priority  # before the queues see the node: it is in their key
             where = nd.where
             for ci in slots:
                 tier = where[ci]
