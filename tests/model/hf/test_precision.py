@@ -322,3 +322,26 @@ def test_float16_keeps_the_residual_stream_in_float32(tiny):
     assert torch.isfinite(out[torch.float16]).all()
     assert (out[torch.float16] - out[torch.float32]).abs().max().item() < 0.05
     assert load_checkpoint(path, torch.bfloat16).residual_dtype == torch.bfloat16  # float32's range: no need
+
+
+# ---------------------------------------------------------------------------- oneDNN's packed weights
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_next", "gpt_oss", "granite_hybrid"])
+def test_packed_linears_are_exact_through_every_tier(tiny, family, dtype, monkeypatch, make_engine, tmp_path):
+    """The tiny checkpoints' weights are too small to be packed (gemm.PACK_MIN_ELEMENTS);
+    with the floor at 0 every linear weight and the head are packed for oneDNN, and every
+    tier check holds: against transformers in float32, against the same model's no-cache
+    forward in bfloat16. The packed weights hold the dense values (the witness reads
+    them back alike)."""
+    from uniradix.model import weights_witness
+    from uniradix.model.hf import gemm, load_checkpoint
+    dense = load_checkpoint(tiny(family), dtype)
+    monkeypatch.setattr(gemm, "PACK_MIN_ELEMENTS", 0)
+    if not gemm.packable(torch.zeros(2, 2, dtype=dtype)):
+        pytest.skip(f"this CPU has no fast {dtype} product for oneDNN")
+    model = load_checkpoint(tiny(family), dtype)
+    packed = [n for n in model.linear_weights() if model.weights[n].layout == torch._mkldnn]
+    assert packed and model.lm_head.layout == torch._mkldnn
+    assert all(dense.weights[n].layout == torch.strided for n in packed)
+    assert weights_witness(model.weights) == weights_witness(dense.weights)
+    family_checks(tiny(family), make_engine, tmp_path, 4, dtype=dtype)
