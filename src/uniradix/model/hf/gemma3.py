@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from .config_forms import FULL, SLIDING, ConfigError, every_nth, rope_dict, rope_setup
 from .family import HFModel
-from .ops import apply_rope, linear, paged_attention, rms_norm
+from .ops import linear, paged_attention, rms_norm
 
 #: Gemma3TextConfig's defaults (transformers 5.24) for the keys read here
 TEXT_DEFAULTS = {
@@ -107,9 +107,7 @@ class Gemma3(HFModel):
         v = self._proj(h, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
         q = rms_norm(q, w(p + "self_attn.q_norm.weight"), self.eps, 1.0)
         k = rms_norm(k, w(p + "self_attn.k_norm.weight"), self.eps, 1.0)
-        inv, scaling = self.rope[i]
-        cos, sin = batch.rope(inv, scaling, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = batch.rotate(self.rope[i], q, k)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale)
         a = self._proj(a.reshape(N, -1), p + "self_attn.o_proj")
         x = x + rms_norm(a, w(p + "post_attention_layernorm.weight"), self.eps, 1.0, dtype=x.dtype)

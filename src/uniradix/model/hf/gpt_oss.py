@@ -16,7 +16,7 @@ import torch
 
 from .config_forms import FULL, SLIDING, layer_count, single_rope
 from .family import HFModel
-from .ops import FEW_TOKENS, apply_rope, linear, paged_attention, rms_norm
+from .ops import FEW_TOKENS, linear, paged_attention, rms_norm
 from .quant import is_quantized
 
 #: the 16 values of an FP4 (E2M1) code, sign bit highest
@@ -119,9 +119,7 @@ class GptOss(HFModel):
         q = self._linear(h, p + "self_attn.q_proj").view(N, self.heads, self.head_dim)
         k = self._linear(h, p + "self_attn.k_proj").view(N, self.kv_heads, self.head_dim)
         v = self._linear(h, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
-        inv, scaling = self.rope[i]
-        cos, sin = batch.rope(inv, scaling, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = batch.rotate(self.rope[i], q, k)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale, sinks=w(p + "self_attn.sinks"))
         x = x + self._linear(a.reshape(N, -1), p + "self_attn.o_proj")
         h = rms_norm(x, w(p + "post_attention_layernorm.weight"), self.eps, dtype=self.dtype)

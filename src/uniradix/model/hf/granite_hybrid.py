@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ...specs import RecurrentShape
 from .config_forms import FULL, LINEAR, ConfigError, layer_count
 from .family import RECURRENT, HFModel
-from .ops import apply_rope, causal_conv, linear, paged_attention, rms_norm_llama, run_recurrent
+from .ops import causal_conv, linear, paged_attention, rms_norm_llama, run_recurrent
 
 
 def config_float(v, default: float | None = None) -> float | None:
@@ -214,9 +214,7 @@ class GraniteHybrid(HFModel):
         k = linear(h, self.w(p + "k_proj.weight"), b(p + "k_proj.bias")).view(N, self.kv_heads, self.head_dim)
         v = linear(h, self.w(p + "v_proj.weight"), b(p + "v_proj.bias")).view(N, self.kv_heads, self.head_dim)
         if self.rope[i] is not None:
-            inv, scaling = self.rope[i]
-            cos, sin = batch.rope(inv, scaling, q.dtype)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = batch.rotate(self.rope[i], q, k)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale)
         return linear(a.reshape(N, -1), self.w(p + "o_proj.weight"), b(p + "o_proj.bias"))
 

@@ -127,16 +127,17 @@ def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtyp
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, d]: the first cos.shape[-1] dims rotated (rotate_half convention);
-    the rest pass through (partial RoPE)."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [N, heads, d]: the first `rot` dims rotated (rotate_half convention),
+    the rest passed through (partial RoPE); cos [N, 1, rot] and the sin with its first
+    half negated. HF's x * cos + rotate_half(x) * sin, where rotate_half(x) * sin =
+    (-x2 * s, x1 * s) equals roll(x, half) * (-s, s) bit for bit, in three kernels
+    rather than seven."""
     rot = cos.shape[-1]
-    xr, rest = x[..., :rot], x[..., rot:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    half = rot // 2
-    rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
-    out = xr * c + rotated * s
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+    if rot == x.shape[-1]:
+        return x * cos + x.roll(rot // 2, -1) * signed_sin
+    xr = x[..., :rot]
+    return torch.cat((xr * cos + xr.roll(rot // 2, -1) * signed_sin, x[..., rot:]), dim=-1)
 
 
 # ---------------------------------------------------------------------------- a batch
@@ -160,14 +161,21 @@ class Batch:
         self._rope: dict = {}
         self.commits: list = []
 
-    def rope(self, inv_freq: torch.Tensor, scaling: float, dtype) -> tuple:
-        """rope_cos_sin at this batch's positions, computed once per RoPE table and dtype
-        for every layer that shares it (Gemma 3's 18 layers have two tables)."""
+    def rotate(self, table: tuple, *xs: torch.Tensor) -> tuple:
+        """Each x [N, heads, d] (queries, keys) rotated at this batch's positions by RoPE
+        `table` (inverse frequencies, attention scaling: a model's per-layer table). The
+        cos and sin are made once per table and dtype for every layer that shares it
+        (Gemma 3's 18 layers have two tables)."""
+        inv_freq, scaling = table
+        dtype = xs[0].dtype
         key = (id(inv_freq), scaling, dtype)
         hit = self._rope.get(key)
         if hit is None or hit[0] is not inv_freq:
-            hit = self._rope[key] = (inv_freq, rope_cos_sin(self.pos, inv_freq, scaling, dtype))
-        return hit[1]
+            cos, sin = rope_cos_sin(self.pos, inv_freq, scaling, dtype)
+            half = cos.shape[-1] // 2
+            signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+            hit = self._rope[key] = (inv_freq, cos[:, None, :], signed[:, None, :])
+        return tuple(rotate(x, hit[1], hit[2]) for x in xs)
 
     def plan(self, spec) -> "_Plan":
         """Where the keys of KV component `spec` live for this batch (from the first key
@@ -214,14 +222,14 @@ class _Plan:
                 keys[j, :len(slots)] = slots
                 k_pos[j, :len(slots)] = torch.arange(lo, lo + len(slots), device=dev)
             q_pos = batch.pos[rows]                                          # [B, 1]
-            self.groups.append(_Group(rows, keys, _allowed(spec, q_pos, k_pos)))
+            self.groups.append(_Group(rows, keys, _allowed(spec, q_pos, k_pos), len(singles) == len(spans)))
         for r, lo, slots in spans:
             if batch.lens[r] == 1:
                 continue
             a, b = batch.bounds[r], batch.bounds[r + 1]
             rows = torch.arange(a, b, device=dev)[None]
             k_pos = torch.arange(lo, lo + len(slots), device=dev)[None]
-            self.groups.append(_Group(rows, slots[None], _allowed(spec, batch.pos[rows], k_pos)))
+            self.groups.append(_Group(rows, slots[None], _allowed(spec, batch.pos[rows], k_pos), len(spans) == 1))
 
 
 class _Group:
@@ -229,10 +237,11 @@ class _Group:
     `allowed` [B, T, S]; the additive mask SDPA takes, made once, with or without one
     more key column for attention sinks."""
 
-    __slots__ = ("rows", "slots", "allowed", "_bias", "_sink")
+    __slots__ = ("rows", "slots", "allowed", "every_row", "_bias", "_sink")
 
-    def __init__(self, rows, slots, allowed) -> None:
+    def __init__(self, rows, slots, allowed, every_row: bool = False) -> None:
         self.rows, self.slots, self.allowed = rows, slots, allowed
+        self.every_row = every_row  # rows are the batch's rows 0..N-1, in order: no gather, no scatter
         self._bias = self._sink = None
 
     def bias(self) -> torch.Tensor:
@@ -286,9 +295,9 @@ def paged_attention(batch: Batch, spec, layer: int, q: torch.Tensor, k: torch.Te
     plan = batch.plan(spec)
     kp.index_copy_(0, plan.write, k.to(kp.dtype))
     vp.index_copy_(0, plan.write, v.to(vp.dtype))
-    out = torch.empty_like(q)
+    out = None
     for g in plan.groups:
-        qg = q[g.rows].float().transpose(1, 2)                                  # [B, H, T, d]
+        qg = (q.view(*g.rows.shape, *q.shape[1:]) if g.every_row else q[g.rows]).float().transpose(1, 2)  # [B, H, T, d]
         if sinks is None:
             k_, v_ = (_gather(t, g.slots).float().transpose(1, 2) for t in (kp, vp))  # [B, KV, S, d]
             o = F.scaled_dot_product_attention(qg, k_, v_, attn_mask=g.bias(), scale=scale,
@@ -301,7 +310,12 @@ def paged_attention(batch: Batch, spec, layer: int, q: torch.Tensor, k: torch.Te
             mask[..., -1] = sinks.float()[None, :, None]
             o = F.scaled_dot_product_attention(qg, k_.transpose(1, 2), v_.transpose(1, 2), attn_mask=mask,
                                                scale=scale, enable_gqa=k_.shape[2] != qg.shape[1])
-        out[g.rows] = o.transpose(1, 2).to(q.dtype)
+        o = o.transpose(1, 2).to(q.dtype)                                       # [B, T, H, d]
+        if g.every_row:
+            return o.reshape(q.shape)
+        if out is None:
+            out = torch.empty_like(q)
+        out[g.rows] = o
     return out
 
 

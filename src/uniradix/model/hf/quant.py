@@ -84,14 +84,24 @@ class QuantizedWeight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] @ W^T -> [..., out] in x's dtype, multiplied in KERNEL_DTYPE: on
         the CPU through the packed kernel, KERNEL_ROWS rows at a time."""
-        x2 = x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE).contiguous()
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if x2.dtype != KERNEL_DTYPE:
+            x2 = x2.to(KERNEL_DTYPE)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
         y = None
-        if x2.device.type == "cpu" and x2.shape[0]:
-            parts = [self.kernel(x2[i:i + KERNEL_ROWS]) for i in range(0, x2.shape[0], KERNEL_ROWS)]
-            y = None if parts[0] is None else parts[0] if len(parts) == 1 else torch.cat(parts)
+        rows = x2.shape[0]
+        if x2.device.type == "cpu" and rows:
+            if rows <= KERNEL_ROWS:  # a decode step: one call, nothing to slice or join
+                y = self.kernel(x2)
+            else:
+                parts = [self.kernel(x2[i:i + KERNEL_ROWS]) for i in range(0, rows, KERNEL_ROWS)]
+                y = None if parts[0] is None else torch.cat(parts)
         if y is None:
             y = self.dense_linear(x2)
-        return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({tuple(self.shape)})"

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .config_forms import FULL, SLIDING, ConfigError, layer_count
 from .family import HFModel
-from .ops import apply_rope, linear, paged_attention, rms_norm_llama
+from .ops import linear, paged_attention, rms_norm_llama
 
 #: Qwen3Config's defaults (transformers 5.24) for the keys read here
 DEFAULTS = {
@@ -63,9 +63,7 @@ class Qwen3(HFModel):
         v = self._linear(h, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
         q = rms_norm_llama(q, w(p + "self_attn.q_norm.weight"), self.eps)
         k = rms_norm_llama(k, w(p + "self_attn.k_norm.weight"), self.eps)
-        inv, scaling = self.rope[i]
-        cos, sin = batch.rope(inv, scaling, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = batch.rotate(self.rope[i], q, k)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.head_dim ** -0.5)
         x = x + self._linear(a.reshape(N, -1), p + "self_attn.o_proj")
         h = rms_norm_llama(x, w(p + "post_attention_layernorm.weight"), self.eps, dtype=self.dtype)

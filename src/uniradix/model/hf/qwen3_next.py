@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ...specs import RecurrentShape
 from .config_forms import FULL, LINEAR, ConfigError, every_nth
 from .family import RECURRENT, HFModel
-from .ops import FEW_TOKENS, apply_rope, causal_conv, linear, paged_attention, rms_norm, run_recurrent
+from .ops import FEW_TOKENS, causal_conv, linear, paged_attention, rms_norm, run_recurrent
 from .quant import is_quantized
 
 _COMMON = {"hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 256,
@@ -165,9 +165,7 @@ class Qwen3Next(HFModel):
         v = self._linear(p + "v_proj", h).view(N, self.kv_heads, d)
         q = rms_norm(q, self.w(p + "q_norm.weight"), self.eps, 1.0)
         k = rms_norm(k, self.w(p + "k_norm.weight"), self.eps, 1.0)
-        inv, scaling = self.rope[i]
-        cos, sin = batch.rope(inv, scaling, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = batch.rotate(self.rope[i], q, k)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=d ** -0.5)
         return self._linear(p + "o_proj", a.reshape(N, -1) * torch.sigmoid(gate))
 
