@@ -6,7 +6,8 @@ config classes) is loaded by both. Prefill: one request of --prompt tokens from 
 pools (uniradix captures the recurrent state halfway, as the engine does at a resume
 point); transformers runs the same tokens with no cache. Decode: --decode single-token
 steps after a --prompt prefill; transformers with its own cache and explicit position
-ids. Medians of --repeats, then uniradix / transformers. transformers is a test
+ids. --repeats back-to-back pairs (ours, theirs; the order alternating): medians of each
+side, and the ratio is the median of the pairs' ratios (throughput, ours over theirs). transformers is a test
 dependency: `pip install -e ".[test]"`.
 
     python benchmarks/model_forward.py [--families gemma3,qwen3_next] [--prompt 256]
@@ -28,16 +29,29 @@ sys.path.insert(0, str(ROOT / "tests" / "model" / "hf"))
 sys.path.insert(0, str(ROOT / "tests" / "engine"))
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds of fn() over `repeats` runs (after one warm-up); a function that
-    returns a number times itself (the part after its own setup)."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        inner = fn()
-        out.append(inner if isinstance(inner, float) else time.perf_counter() - t0)
-    return statistics.median(out)
+def once(fn) -> float:
+    """Seconds of one fn() (a function that returns a number times itself: the part
+    after its own setup)."""
+    t0 = time.perf_counter()
+    inner = fn()
+    return inner if isinstance(inner, float) else time.perf_counter() - t0
+
+
+def paired(a, b, repeats: int) -> tuple[float, float, float]:
+    """Median seconds of a() and of b(), and the median of a's time over b's, from
+    `repeats` back-to-back pairs (after one warm-up each; the order alternates): on a
+    busy machine a slow spell then lands on both sides of a pair, not on one side."""
+    a(), b()
+    ta, tb, ratio = [], [], []
+    for k in range(repeats):
+        if k % 2:
+            y, x = once(b), once(a)
+        else:
+            x, y = once(a), once(b)
+        ta.append(x)
+        tb.append(y)
+        ratio.append(x / y)
+    return statistics.median(ta), statistics.median(tb), statistics.median(ratio)
 
 
 def ours(path: str, tokens: list[int], decode: int, page: int):
@@ -114,7 +128,7 @@ def main() -> None:
     tokens = [rng.randrange(8, harness.V) for _ in range(a.prompt)]
     rows = []
     print(f"prompt {a.prompt} tokens, {a.decode} decode steps, page size {a.page_size}, float32, "
-          f"{torch.get_num_threads()} torch threads; medians of {a.repeats}")
+          f"{torch.get_num_threads()} torch threads; {a.repeats} back-to-back pairs, medians")
     print(f"{'family':<16}{'prefill tok/s ours':>20}{'transformers':>14}{'ratio':>7}"
           f"{'decode tok/s ours':>20}{'transformers':>14}{'ratio':>7}")
     for name in a.families.split(","):
@@ -125,13 +139,13 @@ def main() -> None:
             continue
         op, od = ours(path, tokens, a.decode, a.page_size)
         tp, td = theirs(path, tokens, a.decode)
-        r = dict(family=name,
-                 prefill_ours=a.prompt / timed(op, a.repeats), prefill_hf=a.prompt / timed(tp, a.repeats),
-                 decode_ours=a.decode / timed(od, a.repeats), decode_hf=a.decode / timed(td, a.repeats))
+        po, ph, pr = paired(op, tp, a.repeats)
+        do, dh, dr = paired(od, td, a.repeats)
+        r = dict(family=name, prefill_ours=a.prompt / po, prefill_hf=a.prompt / ph, prefill_ratio=1 / pr,
+                 decode_ours=a.decode / do, decode_hf=a.decode / dh, decode_ratio=1 / dr)
         rows.append(r)
-        print(f"{name:<16}{r['prefill_ours']:>20,.0f}{r['prefill_hf']:>14,.0f}"
-              f"{r['prefill_ours'] / r['prefill_hf']:>7.2f}{r['decode_ours']:>20,.0f}{r['decode_hf']:>14,.0f}"
-              f"{r['decode_ours'] / r['decode_hf']:>7.2f}")
+        print(f"{name:<16}{r['prefill_ours']:>20,.0f}{r['prefill_hf']:>14,.0f}{r['prefill_ratio']:>7.2f}"
+              f"{r['decode_ours']:>20,.0f}{r['decode_hf']:>14,.0f}{r['decode_ratio']:>7.2f}")
     print(json.dumps(rows))
 
 

@@ -229,7 +229,9 @@ class _Plan:
             a, b = batch.bounds[r], batch.bounds[r + 1]
             rows = torch.arange(a, b, device=dev)[None]
             k_pos = torch.arange(lo, lo + len(slots), device=dev)[None]
-            self.groups.append(_Group(rows, slots[None], _allowed(spec, batch.pos[rows], k_pos), len(spans) == 1))
+            causal = lo == batch.inputs[r].start and (spec.window is None or b - a <= spec.window)
+            self.groups.append(_Group(rows, slots[None], _allowed(spec, batch.pos[rows], k_pos), len(spans) == 1,
+                                      causal))
 
 
 class _Group:
@@ -237,11 +239,14 @@ class _Group:
     `allowed` [B, T, S]; the additive mask SDPA takes, made once, with or without one
     more key column for attention sinks."""
 
-    __slots__ = ("rows", "slots", "allowed", "every_row", "_bias", "_sink")
+    __slots__ = ("rows", "slots", "allowed", "every_row", "causal", "_bias", "_sink")
 
-    def __init__(self, rows, slots, allowed, every_row: bool = False) -> None:
+    def __init__(self, rows, slots, allowed, every_row: bool = False, causal: bool = False) -> None:
         self.rows, self.slots, self.allowed = rows, slots, allowed
         self.every_row = every_row  # rows are the batch's rows 0..N-1, in order: no gather, no scatter
+        # query t reads exactly keys 0..t (SDPA's is_causal: it skips the blocks above the
+        # diagonal, and gives what the -inf mask gives, bit for bit)
+        self.causal = causal
         self._bias = self._sink = None
 
     def bias(self) -> torch.Tensor:
@@ -300,8 +305,8 @@ def paged_attention(batch: Batch, spec, layer: int, q: torch.Tensor, k: torch.Te
         qg = (q.view(*g.rows.shape, *q.shape[1:]) if g.every_row else q[g.rows]).float().transpose(1, 2)  # [B, H, T, d]
         if sinks is None:
             k_, v_ = (_gather(t, g.slots).float().transpose(1, 2) for t in (kp, vp))  # [B, KV, S, d]
-            o = F.scaled_dot_product_attention(qg, k_, v_, attn_mask=g.bias(), scale=scale,
-                                               enable_gqa=k_.shape[1] != qg.shape[1])
+            o = F.scaled_dot_product_attention(qg, k_, v_, attn_mask=None if g.causal else g.bias(), scale=scale,
+                                               is_causal=g.causal, enable_gqa=k_.shape[1] != qg.shape[1])
         else:  # a sink is one more key, of value 0, whose score is the sink's logit
             slots, bias = g.with_sink()
             k_, v_ = (_gather(t, slots).float() for t in (kp, vp))
