@@ -2,9 +2,11 @@
 and chat completions, checked field by field. Anything wrong is a `BadRequest` naming
 the field (a 4xx), never an exception from deeper down.
 
-SGLang rejects fields it does not know in `/generate` and its sampling parameters, so
-this does too; OpenAI clients send many optional fields, so the OpenAI routes ignore
-the ones they do not use but refuse values they cannot honour (n > 1, logprobs)."""
+`/generate` takes every field of SGLang's own request and sampling parameters
+(compat.py sorts them: used, ignored, accepted at their neutral value only); a field
+SGLang does not know either is ignored with one warning per name, as SGLang and vLLM
+do. OpenAI clients send many optional fields, so the OpenAI routes ignore the ones
+they do not use but refuse values they cannot honour (n > 1, logprobs)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +15,8 @@ import re
 from dataclasses import dataclass
 
 from ..engine import Request, SamplingParams
+from .compat import (GENERATE_IGNORED, GENERATE_NEUTRAL, GENERATE_USED, SAMPLING_IGNORED, SAMPLING_NEUTRAL,
+                     SAMPLING_USED, UNKNOWN, neutral)
 
 
 class BadRequest(Exception):
@@ -124,23 +128,34 @@ def _no_constant(name: str):
 # ---------------------------------------------------------------------------- SGLang's /generate
 #: new tokens when sampling_params names none (SGLang's default)
 GENERATE_MAX_NEW_TOKENS = 128
-GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "stream", "session_id", "session_params",
-                   "return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
-                   "priority", "modalities"}
-SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-                   "ignore_eos", "skip_special_tokens", "no_stop_trim", "seed", "sampling_seed",
-                   "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
-                   "spaces_between_special_tokens"}
+
+
+def _known_fields(where: str, d: dict, used, ignored, neutral_only: dict, prefix: str = "") -> None:
+    """Refuse a field that asks for what is not implemented (a 400 naming it); note the
+    names SGLang does not know either (ignored, one warning per name)."""
+    for k in sorted(d.keys() & neutral_only.keys()):
+        if not neutral(d[k], neutral_only[k]):
+            shown = " or ".join("null" if a is None else repr(a) for a in neutral_only[k])
+            raise BadRequest(f"{prefix}{k}={d[k]!r:.40} is not supported (only {shown})")
+    UNKNOWN.note(where, {k for k in d if isinstance(k, str)} - used - ignored - neutral_only.keys())
+
+
+def _salt(extra_key, cache_salt):
+    """SGLang's two cache partitions, `extra_key` and `cache_salt` (an empty string is
+    none, as SGLang reads it), as the tree's one salt: requests share cached prefixes
+    only when both match (vLLM's `cache_salt` on the OpenAI routes is the second)."""
+    extra_key, cache_salt = extra_key or None, cache_salt or None
+    return None if extra_key is None and cache_salt is None else json.dumps([extra_key, cache_salt])
 
 
 def parse_generate(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[Job], bool, bool]:
     """(jobs, batched, stream) for a `/generate` body."""
     want(isinstance(body, dict), "the request body", "a JSON object", type(body).__name__)
-    unknown = sorted(set(body) - GENERATE_FIELDS)
-    if unknown:
-        raise BadRequest(f"unknown field(s) {unknown}; /generate takes {sorted(GENERATE_FIELDS)}")
+    _known_fields("/generate", body, GENERATE_USED, GENERATE_IGNORED, GENERATE_NEUTRAL)
     only("return_logprob", body.get("return_logprob", False), (False, None))
-    only("modalities", body.get("modalities"), (None, []))
+    want(body.get("modalities") in (None, []) or (isinstance(body.get("modalities"), list)
+                                                  and all(m is None for m in body["modalities"])),
+         "modalities", "null or empty (no image, video or audio input is supported)", body.get("modalities"))
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise BadRequest("give exactly one of text or input_ids")
@@ -157,23 +172,26 @@ def parse_generate(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[Job
         raise BadRequest(f"a batch holds 1 to {max_batch} prompts, got {len(prompts)}")
     n = len(prompts)
     sps = _per_prompt("sampling_params", body.get("sampling_params"), n, batched, dict)
-    rids = _per_prompt("rid", body.get("rid"), n, batched, str)
+    rid = body.get("rid")
+    rids = [f"{rid}_{i}" for i in range(n)] if batched and isinstance(rid, str) else \
+        _per_prompt("rid", rid, n, batched, str)  # a batch's one rid prefixes its prompts' ids, as SGLang's does
     stream = body.get("stream", False)
     want(isinstance(stream, bool), "stream", "true or false", stream)
-    sp_session = body.get("session_params")
-    sid = body.get("session_id")
-    if sp_session is not None:
-        want(isinstance(sp_session, dict), "session_params", "an object", sp_session)
-        sid = sid if sid is not None else sp_session.get("id")
-    sid = _session("session_id", sid)
+    if body.get("session_params") is not None:  # SGLang's continuation: the server would prepend the history
+        raise BadRequest("session_params (SGLang's session continuation: the server keeps the conversation and "
+                         "the request sends only the new text) is not supported; send the whole conversation, "
+                         "with session_id to keep its cache")
+    sid = _session("session_id", body.get("session_id"))
+    salts = [_salt(e, c) for e, c in zip(_per_prompt("extra_key", body.get("extra_key"), n, batched, str),
+                                         _per_prompt("cache_salt", body.get("cache_salt"), n, batched, str))]
     priority = body.get("priority")
     want(priority is None or _int(priority), "priority", "an int", priority)
     jobs = []
-    for i, (p, sp, rid) in enumerate(zip(prompts, sps, rids)):
+    for i, (p, sp, rid, salt) in enumerate(zip(prompts, sps, rids, salts)):
         prefix = f"sampling_params[{i}]" if batched else "sampling_params"
         sampling, extra = sampling_from_sglang(sp or {}, eos, prefix)
         req = Request(input_ids=None if text is not None else p, text=p if text is not None else None,
-                      sampling=sampling, session_id=sid, priority=priority)
+                      sampling=sampling, session_id=sid, priority=priority, salt=salt)
         jobs.append(Job(req, sampling.stop, rid=rid, **extra))
     return jobs, batched, stream
 
@@ -194,14 +212,7 @@ def _per_prompt(name: str, v, n: int, batched: bool, kind) -> list:
 def sampling_from_sglang(sp: dict, eos: tuple[int, ...], prefix: str) -> tuple[SamplingParams, dict]:
     """SGLang's sampling_params (its defaults: 128 new tokens, temperature 1; the
     default count is shortened to the room the context leaves, a given one is not)."""
-    unknown = sorted(set(sp) - SAMPLING_FIELDS)
-    if unknown:
-        raise BadRequest(f"{prefix}: unknown field(s) {unknown}")
-    for k, neutral in (("min_p", (0, 0.0, None)), ("frequency_penalty", (0, 0.0, None)),
-                       ("presence_penalty", (0, 0.0, None)), ("repetition_penalty", (1, 1.0, None)),
-                       ("min_new_tokens", (0, None)), ("n", (1, None))):
-        if k in sp:
-            only(f"{prefix}.{k}", sp[k], neutral)
+    _known_fields("/generate sampling_params", sp, SAMPLING_USED, SAMPLING_IGNORED, SAMPLING_NEUTRAL, f"{prefix}.")
     flags = {}
     for k in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "spaces_between_special_tokens"):
         v = sp.get(k, k in ("skip_special_tokens", "spaces_between_special_tokens"))
@@ -267,7 +278,9 @@ def _openai_sampling(body: dict, eos: tuple[int, ...], max_tokens, default: int,
                          + (() if ignore_eos else tuple(eos)))
 
 
-def _openai_common(body) -> tuple[bool, bool, object]:
+def _openai_common(body) -> tuple[bool, bool, object, object]:
+    """(stream, include_usage, session id, salt): `cache_salt` partitions the cache as
+    vLLM's does (a request reuses only prefixes cached under the same salt)."""
     want(isinstance(body, dict), "the request body", "a JSON object", type(body).__name__)
     model = body.get("model")
     want(model is None or isinstance(model, str), "model", "a string", model)
@@ -277,12 +290,14 @@ def _openai_common(body) -> tuple[bool, bool, object]:
     want(isinstance(opts, dict), "stream_options", "an object", opts)
     usage = opts.get("include_usage", False)
     want(isinstance(usage, bool), "stream_options.include_usage", "true or false", usage)
-    return stream, usage, _session("session_id", body.get("session_id"))
+    salt = body.get("cache_salt")
+    want(salt is None or isinstance(salt, str), "cache_salt", "a string", salt)
+    return stream, usage, _session("session_id", body.get("session_id")), _salt(None, salt)
 
 
 def parse_completion(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[Job], bool, bool]:
     """(jobs, stream, include_usage) for `/v1/completions`."""
-    stream, usage, sid = _openai_common(body)
+    stream, usage, sid, salt = _openai_common(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = [("text", prompt)]
@@ -302,16 +317,16 @@ def parse_completion(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[J
     max_tokens = body.get("max_tokens")
     sampling = _openai_sampling(body, eos, max_tokens, COMPLETION_MAX_TOKENS)
     jobs = [Job(Request(text=p if kind == "text" else None, input_ids=p if kind == "ids" else None,
-                        sampling=sampling, session_id=sid), sampling.stop) for kind, p in prompts]
+                        sampling=sampling, session_id=sid, salt=salt), sampling.stop) for kind, p in prompts]
     return jobs, stream, usage
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def parse_chat(body, eos: tuple[int, ...]) -> tuple[list[dict], SamplingParams, bool, bool, object]:
-    """(messages, sampling, stream, include_usage, session id) for `/v1/chat/completions`."""
-    stream, usage, sid = _openai_common(body)
+def parse_chat(body, eos: tuple[int, ...]) -> tuple[list[dict], SamplingParams, bool, bool, object, object]:
+    """(messages, sampling, stream, include_usage, session id, salt) for `/v1/chat/completions`."""
+    stream, usage, sid, salt = _openai_common(body)
     msgs = body.get("messages")
     want(isinstance(msgs, list) and msgs, "messages", "a non-empty list of messages", msgs)
     out = []
@@ -335,7 +350,7 @@ def parse_chat(body, eos: tuple[int, ...]) -> tuple[list[dict], SamplingParams, 
         want(isinstance(rf, dict) and rf.get("type") == "text", "response_format", '{"type": "text"}', rf)
     field = chat_count_field(body)
     return (out, _openai_sampling(body, eos, body.get(field), CHAT_MAX_TOKENS,
-                                  {**OPENAI_NAMES, "max_new_tokens": field}), stream, usage, sid)
+                                  {**OPENAI_NAMES, "max_new_tokens": field}), stream, usage, sid, salt)
 
 
 def chat_count_field(body: dict) -> str:

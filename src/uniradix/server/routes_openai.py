@@ -51,9 +51,9 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
         body = await read_body(request)
-        messages, sampling, stream, include_usage, sid = parse_chat(body, jobs.eos())
+        messages, sampling, stream, include_usage, sid, salt = parse_chat(body, jobs.eos())
         ids = await asyncio.to_thread(chat_prompt, jobs.tokenizer, messages)
-        job = Job(Request(input_ids=ids, sampling=sampling, session_id=sid), sampling.stop)
+        job = Job(Request(input_ids=ids, sampling=sampling, session_id=sid, salt=salt), sampling.stop)
         names = {**CHAT_NAMES, "max_new_tokens": chat_count_field(body)}
         return await _respond(request, jobs, [job], stream, include_usage, "chat.completion", name, names)
 
