@@ -73,12 +73,14 @@ def optional(inner):
 
 
 def setting(default, help: str, *, check=None, choices: tuple | None = None, extra: bool = False,
-            secret: bool = False, flag: bool = True, metavar: str | None = None):
+            secret: bool = False, flag: bool = True, metavar: str | None = None, several: bool = False):
     """A config field. `choices`: the allowed values; `check`: see above; `extra`: read
     from the storage extra-config JSON rather than a flag; `secret`: never echoed in a
-    message; `flag`: False for settings the API takes but the CLI does not offer."""
+    message; `flag`: False for settings the API takes but the CLI does not offer;
+    `several`: the flag takes one or more values (a tuple)."""
     return field(default=default, metadata=dict(help=help, check=check, choices=choices, extra=extra,
-                                                secret=secret, flag=flag and not extra, metavar=metavar))
+                                                secret=secret, flag=flag and not extra, metavar=metavar,
+                                                several=several))
 
 
 def flag_name(name: str) -> str:
@@ -395,12 +397,17 @@ def add_flags(parser, config_cls, title: str | None = None, choices: dict | None
             kw["type"] = _arg_type(f)
         if md.get("metavar"):
             kw["metavar"] = md["metavar"]
+        if md.get("several"):
+            kw["nargs"] = "+"
         g.add_argument(flag_name(f.name), **kw)
 
 
 def from_args(config_cls, ns: argparse.Namespace, **extra):
     """A config from parsed flags (and `extra` fields not offered as flags)."""
     kw = {f.name: getattr(ns, f.name) for f in fields(config_cls) if f.metadata.get("flag") and hasattr(ns, f.name)}
+    for f in fields(config_cls):
+        if f.metadata.get("several") and isinstance(kw.get(f.name), list):
+            kw[f.name] = tuple(kw[f.name])
     return config_cls(**kw, **extra)
 
 

@@ -107,7 +107,7 @@ def test_bad_generate_is_400_naming_the_field(small, body, field):
 
 @pytest.mark.parametrize("path,body,field", BAD_OPENAI, ids=[f"{i}-{f}" for i, (_, _, f) in enumerate(BAD_OPENAI)])
 def test_bad_openai_is_400_naming_the_field(small, path, body, field):
-    s, out, _ = small.post(path, {"model": "m", **body})
+    s, out, _ = small.post(path, {"model": "tiny-hybrid", **body})
     assert s == 400, out
     assert field in out["error"]["message"], out
 

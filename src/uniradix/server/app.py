@@ -22,7 +22,7 @@ from ..cache.audit import AuditError
 from ..config import finite_number
 from ..engine import Request, SamplingParams
 from ..redact import redact, redact_value
-from . import routes_native, routes_openai
+from . import routes_native, routes_openai, routes_tools
 from .connections import CLOSED_BY_SERVER
 from .jobs import Jobs
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -47,6 +47,8 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
     app = FastAPI(title="uniradix", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.config = config
     app.state.model_name = model_name
+    app.state.served_names = tuple(config.served_model_name or (model_name,))
+    app.state.port = config.port  # serve() sets the bound one
     app.state.started = int(time.time())
     jobs = Jobs(runner, config.max_waiting_requests)
     engine = runner.engine
@@ -148,7 +150,19 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
              "a non-empty string or an int", sid)
         return {"success": True, "closed": await runner.run(lambda: runner.close_session(sid))}
 
+    def check_model(body: dict) -> None:
+        """An OpenAI-style `model` must be one of the served names (404 otherwise, as
+        vLLM answers); absent, the first is meant."""
+        name = body.get("model")
+        want(name is None or isinstance(name, str), "model", "a string", name)
+        if name is not None and name not in app.state.served_names:
+            raise BadRequest(f"the model {name!r:.80} does not exist; this server serves "
+                             f"{', '.join(map(repr, app.state.served_names))}", 404)
+
+    app.state.check_model = check_model
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/reset_prefix_cache")  # vLLM's name for it
     async def flush_cache(force: bool = False):
         """Empty the device and host tiers. Whatever the write policy, what the store
         lacks of them is written down first (write_back's host-only data included), and
@@ -180,7 +194,8 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
     @app.get("/get_server_info")
     async def server_info():
         # every name here is a declared setting (its secrets hidden by as_dict): only texts are masked
-        shown = {"version": _version(), **engine_settings, **config.as_dict(), "model_name": model_name}
+        shown = {"version": _version(), **engine_settings, **config.as_dict(), "port": app.state.port,
+                 "model_name": model_name}
         return {k: redact_value("", v) for k, v in shown.items()}
 
     @app.get("/get_model_info")
@@ -213,6 +228,7 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
 
     routes_native.add_routes(app, jobs, read_body)
     routes_openai.add_routes(app, jobs, read_body)
+    routes_tools.add_routes(app, jobs, read_body, check_model, _version())
     return app
 
 

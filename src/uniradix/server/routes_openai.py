@@ -1,7 +1,8 @@
 """OpenAI's API: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (the model's
 chat template; a plain role-per-line format for models without one), whole or
 streamed, with `usage.prompt_tokens_details.cached_tokens`. `session_id` is accepted as
-an extra field, as SGLang does."""
+an extra field, as SGLang does. `model` names one of the served names (404 otherwise, as
+vLLM answers); the answers give the first."""
 from __future__ import annotations
 
 import asyncio
@@ -39,19 +40,22 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": app.state.started,
-                                            "owned_by": "uniradix", "max_model_len": jobs.engine.context_length}]}
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": app.state.started,
+                                            "owned_by": "uniradix", "max_model_len": jobs.engine.context_length}
+                                           for n in app.state.served_names]}
 
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         body = await read_body(request)
         batch, stream, include_usage = await asyncio.to_thread(parse_completion, body, jobs.eos(), max_batch)
+        app.state.check_model(body)
         return await _respond(request, jobs, batch, stream, include_usage, "text_completion", name, COMPLETION_NAMES)
 
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
         body = await read_body(request)
         messages, sampling, stream, include_usage, sid, salt = parse_chat(body, jobs.eos())
+        app.state.check_model(body)
         ids = await asyncio.to_thread(chat_prompt, jobs.tokenizer, messages)
         job = Job(Request(input_ids=ids, sampling=sampling, session_id=sid, salt=salt), sampling.stop)
         names = {**CHAT_NAMES, "max_new_tokens": chat_count_field(body)}

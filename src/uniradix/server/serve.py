@@ -47,10 +47,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         print(f"uniradix serve: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
         engine.close()
         return 2
-    settings = {**engine.config.as_dict(), "model_path": a.model_path, "model_preset": a.model_preset,
+    settings = {**engine.config.as_dict(), "model_path": a.model_path,
+                "model_preset": None if a.model_path else a.model_preset,
                 "dtype": a.dtype, "quantization": a.quantization, "context_length": engine.context_length,
                 "num_threads": _torch_threads()}
-    name = config.served_model_name or a.model_path or a.model_preset
+    name = config.served_model_name[0] if config.served_model_name else a.model_path or a.model_preset
     return serve(engine, config, sock, name, settings, budget)
 
 
@@ -80,11 +81,12 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
                              lambda: runner.request_stop(config.graceful_timeout))
     _configure_logging()  # uvicorn's handlers exist now: they mask secrets too
     logging.getLogger("uvicorn.error").addFilter(ClientFaultsAtInfo())
-    shown = {**engine_settings, **config.as_dict()}
+    host, port = sock.getsockname()[:2]
+    app.state.port = port  # --port 0: the one bound, for /get_server_info
+    shown = {**engine_settings, **config.as_dict(), "port": port}
     logging.getLogger("uniradix.server").info("settings: %s", json.dumps(shown, default=str))
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal before uvicorn takes over stops it too
         signal.signal(sig, server.handle_exit)
-    host, port = sock.getsockname()[:2]
     _say(f"uniradix serve: {model_name} on http://{host}:{port}")
     try:
         server.run(sockets=[sock])

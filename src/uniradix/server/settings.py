@@ -11,6 +11,11 @@ def _port(v):
     return None if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 65535 else "an int in [0, 65535]"
 
 
+def _names(v):
+    ok = isinstance(v, (tuple, list)) and v and all(isinstance(x, str) and x for x in v)
+    return None if ok else "one or more non-empty names"
+
+
 @dataclass(frozen=True)
 class ServerConfig(Settings):
     """HTTP server"""
@@ -20,8 +25,9 @@ class ServerConfig(Settings):
                         check=_port)
     api_key: str | None = setting(None, "clients must send 'Authorization: Bearer KEY' (every route but /health)",
                                   check=optional(text), secret=True)
-    served_model_name: str | None = setting(None, "the model's name in the OpenAI API (default: the model "
-                                            "path, or the preset)", check=optional(text))
+    served_model_name: tuple | None = setting(
+        None, "the model's name(s) in the OpenAI API: requests may name any, answers give the first, another "
+              "name is a 404 (default: the model path, or the preset)", check=optional(_names), several=True)
     max_waiting_requests: int = setting(256, "requests queued beyond the running batch; more are refused with "
                                         "503 and Retry-After", check=count())
     max_request_bytes: int = setting(8 << 20, "largest request body in bytes (413 beyond)", check=count())

@@ -1,0 +1,82 @@
+"""The small routes and answers SGLang's and vLLM's users expect: several served names
+and a 404 for any other, /tokenize and /detokenize in both servers' shapes, /version,
+vLLM's /reset_prefix_cache, and /get_server_info telling the port actually bound and
+the checkpoint actually served."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+from server_proc import ServerProc
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model" / "hf"))
+
+
+@pytest.fixture(scope="module")
+def named():
+    s = ServerProc("--max-total-tokens", "4096", "--served-model-name", "first", "second")
+    yield s
+    assert s.stop() == 0, "".join(s.lines[-30:])
+
+
+def test_served_names_and_a_404_for_any_other(named):
+    status, out, _ = named.get("/v1/models")
+    assert status == 200 and [m["id"] for m in out["data"]] == ["first", "second"], out
+    assert all("max_model_len" in m for m in out["data"])  # null: the embedded model has no context limit
+    for model in ("second", None):
+        body = {"prompt": "hello", "max_tokens": 2, **({"model": model} if model else {})}
+        status, out, _ = named.post("/v1/completions", body)
+        assert status == 200 and out["model"] == "first", out
+    status, out, _ = named.post("/v1/chat/completions", {"model": "third", "messages": [{"role": "user",
+                                                                                           "content": "hi"}]})
+    assert status == 404 and "'third'" in out["error"]["message"] and "'first', 'second'" in out["error"]["message"]
+    status, out, _ = named.post("/v1/completions", {"model": "third", "prompt": "hi"})
+    assert status == 404, out
+
+
+def test_tokenize_and_detokenize_in_both_shapes(named):
+    status, out, _ = named.post("/tokenize", {"model": "first", "prompt": "héllo"})
+    assert status == 200 and out["tokens"] == list("héllo".encode()) and out["count"] == 6, out
+    assert "max_model_len" in out
+    status, out, _ = named.post("/tokenize", {"prompt": ["ab", "c"]})           # SGLang's batch form
+    assert status == 200 and out["tokens"] == [[97, 98], [99]] and out["count"] == [2, 1], out
+    status, chat, _ = named.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and chat["count"] == len(chat["tokens"]) > 2, chat
+    status, out, _ = named.post("/detokenize", {"tokens": list("héllo".encode())})
+    assert status == 200 and out["prompt"] == out["text"] == "héllo", out
+    status, out, _ = named.post("/detokenize", {"tokens": [[104, 105], [33]]})
+    assert status == 200 and out["text"] == ["hi", "!"], out
+    for bad, field in (({"tokens": [1, 999]}, "999"), ({"tokens": "x"}, "tokens"), ({"prompt": 5}, "prompt"),
+                       ({"prompt": "a", "model": "third"}, "third")):
+        route = "/detokenize" if "tokens" in bad else "/tokenize"
+        status, out, _ = named.post(route, bad)
+        assert status in (400, 404) and field in out["error"]["message"], (bad, out)
+
+
+def test_version_and_reset_prefix_cache(named):
+    status, out, _ = named.get("/version")
+    assert status == 200 and out["version"], out
+    body = {"text": "a prompt the cache will hold for a moment " * 4, "sampling_params": {"max_new_tokens": 1}}
+    named.post("/generate", body)
+    status, out, _ = named.post("/generate", body)
+    assert out["meta_info"]["cached_tokens"] > 0, out
+    status, out, _ = named.post("/reset_prefix_cache")
+    assert status == 200, out
+    status, out, _ = named.post("/generate", body)
+    assert out["meta_info"]["cached_tokens"] == 0, out
+
+
+def test_server_info_tells_the_bound_port_and_the_served_checkpoint(tmp_path):
+    import harness
+    path = harness.make_tiny("qwen3", str(tmp_path / "qwen3"))
+    s = ServerProc("--model-path", path, "--max-total-tokens", "1024")
+    try:
+        status, info, _ = s.get("/get_server_info")
+        assert status == 200, info
+        assert info["port"] == s.port != 0, info
+        assert info["model_path"] == path and info["model_preset"] is None, info
+        assert info["context_length"] > 0
+        assert "\"port\": %d" % s.port in "".join(s.lines), s.lines[-5:]   # the settings line too
+    finally:
+        assert s.stop() == 0, "".join(s.lines[-30:])
