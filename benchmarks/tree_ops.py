@@ -2,7 +2,7 @@
 
     python benchmarks/tree_ops.py --trace FILE.npz --capacity 200000 --mode full|swa|mamba --json
 
-Per request, the loop every peer in ../shared/peers/compare_tree_ops.py runs: match
+Per request, the loop every peer in benchmarks/peers/compare_tree_ops.py runs: match
 (and lock), evict if short, allocate the rest, insert, unlock. Here that is
 UnifiedRadixCache.match_prefix(alloc=True) (match, lock, evict on shortfall, allocate)
 and cache_finished (insert, free what the tree did not keep, unlock), on
@@ -102,7 +102,7 @@ def run(trace: list[list[int]], mode: str, capacity: int, page_size: int = 1, po
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", help=".npz trace (../shared/peers/trace.py format: tokens, offsets)")
+    src.add_argument("--trace", help=".npz trace (benchmarks/peers/trace.py format: tokens, offsets)")
     src.add_argument("--synthetic", type=int, metavar="N", help="generate a chat-like trace of N requests")
     ap.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
     ap.add_argument("--capacity", type=int, default=200_000, help="FULL (and SWA) pool size in tokens")
@@ -115,7 +115,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.trace is not None:
         if not os.path.exists(a.trace):
-            sys.exit(f"no trace at {a.trace}; make one with ../shared/peers/trace.py OUT.npz N")
+            sys.exit(f"no trace at {a.trace}; make one with benchmarks/peers/trace.py OUT.npz N")
         trace = load_trace(a.trace)
     else:
         trace = synthetic_trace(a.synthetic, a.seed)

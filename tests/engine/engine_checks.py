@@ -87,7 +87,7 @@ def tree_nodes(tree):
 
 
 def check_ownership(engine: Engine) -> None:
-    """DESIGN §3 'accounting is exact', checked at any point between steps by the
+    """design.md §3 'accounting is exact', checked at any point between steps by the
     library's audit (uniradix.cache.audit): every allocated handle of every pool, in both
     tiers, is held exactly once, by the tree or by one running request; what a running
     request reads from the tree is still there (nothing locked was evicted)."""

@@ -1,4 +1,4 @@
-"""The engine over the host tier (L2, DESIGN §4): what the device evicts stays in host
+"""The engine over the host tier (L2, design.md §4): what the device evicts stays in host
 memory and comes back (all or nothing, layer by layer under the forward) when a later
 request reuses it, and every token stays exact: logits equal the no-cache oracle's,
 greedy tokens are its argmax, and a request computes exactly the prompt tokens past its

@@ -1,4 +1,4 @@
-"""The SWA window rule end to end (DESIGN §3 SWA): a query at i reads keys i - W < j <= i,
+"""The SWA window rule end to end (design.md §3 SWA): a query at i reads keys i - W < j <= i,
 so a request resumes at boundary b with the SWA KV of the W - 1 tokens before b, and the
 tree keeps exactly that much at the end of each cached sequence, its junction and its
 prompt's resume point.
@@ -27,7 +27,7 @@ QUICK = [(1, 1), (1, 3), (2, 3), (2, 4), (3, 2), (3, 4), (3, 6), (4, 1), (4, 5),
 
 
 class Retained:
-    """What the cache should hold after each request, read off DESIGN §3 alone (no tree
+    """What the cache should hold after each request, read off design.md §3 alone (no tree
     code): FULL for every computed page; SWA for the pages touching
     [max(0, j - W + 1), j) at each position j a later request may resume at (the end of
     the cached tokens, the junction, the prompt's resume point); a checkpoint at those

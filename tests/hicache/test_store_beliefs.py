@@ -1,4 +1,4 @@
-"""What the writer believes is stored is a cache of the store, not the truth (DESIGN §4).
+"""What the writer believes is stored is a cache of the store, not the truth (design.md §4).
 
 A store can lose objects behind the engine's back: Redis FLUSHDB or a restart without
 persistence, LRU eviction in a full Redis, files removed. The engine must not skip

@@ -1,4 +1,4 @@
-"""What reaches L3 lets a reader resume, under every write policy (DESIGN §4):
+"""What reaches L3 lets a reader resume, under every write policy (design.md §4):
 write_back means "written later", never "written unusably".
 
 Engine A (device, host tier and a file store) serves multi-turn conversations, then

@@ -1,4 +1,4 @@
-"""One definition of the sliding window (DESIGN §3 SWA): the model's mask, where the
+"""One definition of the sliding window (design.md §3 SWA): the model's mask, where the
 paged forward starts reading SWA KV, and the pages the tree hands out on resuming are
 all `first_visible`. A query at i reads keys i - W < j <= i, W keys including itself."""
 from array import array

@@ -1,5 +1,5 @@
 """Shared test helpers for the tree core: a brute-force reading of the boundary rule
-(DESIGN §3) and a handle ledger for exact accounting.
+(design.md §3) and a handle ledger for exact accounting.
 
 Nothing here calls a component's rule methods (`accepted`, `accepts_end`, `handles`):
 the reference reads only the nodes (`key`, `start`, `end`, `value[index]`) and each
@@ -290,7 +290,7 @@ class Ledger:
 
 
 def check_locks(tree, live) -> None:
-    """Lock counts are exactly what the live receipts pin (DESIGN §3, locks are
+    """Lock counts are exactly what the live receipts pin (design.md §3, locks are
     receipts): for a receipt on node X, FULL (and any window-less page component) on
     every node of X's path, a windowed component on the path nodes ending after the
     start of X's window, a checkpoint component on X alone when X had a checkpoint at
@@ -327,7 +327,7 @@ def check_locks(tree, live) -> None:
 
 
 def check_useful_leaves(tree) -> None:
-    """DESIGN §3, useless leaves go: every leaf that no lock holds can serve a valid
+    """design.md §3, useless leaves go: every leaf that no lock holds can serve a valid
     boundary at its own end (each component accepts it, by the brute-force rule under
     the leaf's own salt, with data in either memory tier: a host-only slot can be loaded)."""
     salt_of = {id(r): tree.salt_of(r) for r in tree.roots.values()}

@@ -1,4 +1,4 @@
-"""The seed's boundary example (DESIGN §1 rule 3, §3 Boundaries), built through the
+"""The seed's boundary example (design.md §1 rule 3, §3 Boundaries), built through the
 public tree API only.
 
 Path of four nodes of 4 tokens (page size 4, SWA window 4):

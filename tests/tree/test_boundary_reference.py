@@ -1,4 +1,4 @@
-"""`RadixTree.match` against a brute-force reading of the boundary rule (DESIGN §3).
+"""`RadixTree.match` against a brute-force reading of the boundary rule (design.md §3).
 
 For every page-aligned b in [0, matched] the reference checks each component's rule
 directly on per-page presence read from the nodes along the query's path:
@@ -147,7 +147,7 @@ class Sim:
         self.seqs.append(seq)
 
     def check_retention(self, seq, existing: int, junction, values) -> None:
-        """DESIGN §3 Retention, on the pages this insert added past the cached path: a
+        """design.md §3 Retention, on the pages this insert added past the cached path: a
         windowed component without keep_all keeps exactly its present pages that touch
         the window before the end or before the junction (by the reference rule)."""
         tree, P, n = self.tree, self.P, len(seq)
@@ -269,7 +269,7 @@ def test_match_equals_reference_slow(block):
 
 @pytest.mark.parametrize("block", range(2))
 def test_random_accounting_and_receipts(block):
-    """The same random trees, held to the rest of DESIGN §3: after every operation no
+    """The same random trees, held to the rest of design.md §3: after every operation no
     unlocked leaf is useless; at the end every handle given to the tree is held once or
     handed back once (insert `free`, evict, unlock), lock counts are exactly what the
     live receipts pin (SWA its window, MAMBA one node), `tree.locked` agrees, and

@@ -1,4 +1,4 @@
-"""DESIGN §1 rule 1: a fourth component is one new class, with no edit to the walks.
+"""design.md §1 rule 1: a fourth component is one new class, with no edit to the walks.
 
 `CKVComponent` below (a compressed-KV cache, say) is defined here, in the test, and
 nowhere in the package: it needs KV on the whole prefix like FULL (window None), but it
@@ -405,7 +405,7 @@ def test_checkpoint_added_under_a_lock_does_not_free_the_locked_leaf():
 
 @pytest.mark.parametrize("pos", [10, 18, 6, 0])
 def test_checkpoint_that_attaches_nowhere_comes_back(pos):
-    """Every handle given to insert is kept or returned in `free` (DESIGN §3, accounting
+    """Every handle given to insert is kept or returned in `free` (design.md §3, accounting
     is exact; the unaligned tail's slots are freed). A checkpoint at a position that is
     no page boundary of the cached span (the end of an unaligned prompt, inside a page,
     0) cannot attach, so it must come back."""

@@ -1,4 +1,4 @@
-"""The host tier in the tree (DESIGN §3 Eviction, §4): every slot has a device and a
+"""The host tier in the tree (design.md §3 Eviction, §4): every slot has a device and a
 host residency; match counts both and lists what must be loaded; device eviction keeps
 a node host-only when the host has a copy; host eviction drops a copy, or loses the slot
 like a device eviction when the host held the last copy; write-back backs a slot up as

@@ -1,4 +1,4 @@
-"""Stateful property test of the tree core (DESIGN §3, §4, §6): random requests, matches,
+"""Stateful property test of the tree core (design.md §3, §4, §6): random requests, matches,
 locks, evictions and sessions over FULL + SWA + MAMBA, in two memory tiers (device and
 host), with real `HandleAllocator`s as the free lists, and the §3 rules checked after
 every step.
@@ -109,7 +109,7 @@ class HostPool:
 
 class Pin:
     """What one lock receipt or session reference pinned, as this driver reads it at
-    pin time (DESIGN §3 Locks): the node; per page component the position `lo[ci]` such
+    pin time (design.md §3 Locks): the node; per page component the position `lo[ci]` such
     that the pinned slots are those on the chain from the node up that end after it
     (FULL 0, SWA the start of the window: a split copies page locks to the new upper
     part, so that chain stays exactly the pinned span); for MAMBA whether the node's
@@ -211,7 +211,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
                                MambaComponent()], page_size=page, eviction_policy=policy)
         self.allocs = [HandleAllocator(full_size, "full"), HandleAllocator(swa_size, "swa"),
                        HandleAllocator(mamba_size, "mamba")]
-        # the host tier: a multiple of the device's (DESIGN §4 --hicache-ratio), or less
+        # the host tier: a multiple of the device's (design.md §4 --hicache-ratio), or less
         self.hpools = [HostPool(max(8, int(host_ratio * k)), f"host-{n}")
                        for k, n in zip((full_size, swa_size, mamba_size), NAMES)]
         # evictions an allocation needs: plain, or write-back with these answers
@@ -231,7 +231,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ helpers
     def window_start(self, b: int) -> int:
-        """First token of the first page touching [max(0, b - W + 1), b) (DESIGN §3 SWA: a
+        """First token of the first page touching [max(0, b - W + 1), b) (design.md §3 SWA: a
         query at i reads keys i - W < j <= i); b itself when W = 1 reads nothing before b."""
         return max(0, b - self.W + 1) // self.P * self.P
 
@@ -404,7 +404,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
             assert x.attached
             x = x.parent
         assert x is root, "match ended under another salt's root"
-        # what only the host holds (DESIGN §3 Boundaries: the host-resident part needs a load)
+        # what only the host holds (design.md §3 Boundaries: the host-resident part needs a load)
         if any(missing[:2]) or missing[2]:
             assert host
             assert m.handles is None, "loads are pending, yet match handed out handles"
@@ -497,7 +497,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
                 self.evict(ci, short, host=True)
 
     def rank(self, x, ci):
-        """DESIGN §3: (has session references, number of references, base policy)."""
+        """design.md §3: (has session references, number of references, base policy)."""
         p = self.policy
         bk = (x.tick if p == "lru" else x.created if p == "fifo"
               else (x.hits, x.tick) if p == "lfu" else (x.priority, x.tick))
@@ -786,7 +786,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
         self.free(res.free)
         assert res.existing == pre and res.existing >= r.b, (res.existing, pre, r.b)
         if not self.keep_all:
-            # DESIGN §3 Retention: of this insert's SWA pages the tree keeps only those in
+            # design.md §3 Retention: of this insert's SWA pages the tree keeps only those in
             # the window at the end and the window at the junction
             spans = [(self.window_start(n), n)]
             if j:
@@ -798,7 +798,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
                     assert any(lo <= p * P and (p + 1) * P <= hi for lo, hi in spans), (
                         f"SWA page {p} kept outside the retention windows {spans}")
         if resumable:
-            # DESIGN §3 Retention: the window at the end of a cached sequence is kept
+            # design.md §3 Retention: the window at the end of a cached sequence is kept
             assert res.node.end == n and res.node.attached, (
                 f"a finished request brought its checkpoint at {n} and the SWA window "
                 f"[{ws}, {n}), yet nothing past {res.node.end} was cached (keep_all={self.keep_all})")

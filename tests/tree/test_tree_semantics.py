@@ -1,5 +1,5 @@
 """Unit tests of the tree's rules: split, retention, duplicates, locks, eviction order,
-sessions, salts and useless leaves (DESIGN §3)."""
+sessions, salts and useless leaves (design.md §3)."""
 from array import array
 
 import pytest

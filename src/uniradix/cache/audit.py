@@ -1,4 +1,4 @@
-"""The audit: DESIGN §3 "accounting is exact", checked. Every allocated handle of every
+"""The audit: design.md §3 "accounting is exact", checked. Every allocated handle of every
 pool, in both tiers, is owned exactly once: by the tree or by one running request
 (its own pages past its prefix, its state slot and checkpoints, the host pages it read
 from L3); what a running request reads from the tree is still there; the tree's counts

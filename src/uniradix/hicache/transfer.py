@@ -1,5 +1,5 @@
 """Loading host (L2) data into device pools layer by layer, so that layer N+1 loads while
-layer N computes (DESIGN §4). The forward calls `wait(layer)` before it touches a layer's
+layer N computes (design.md §4). The forward calls `wait(layer)` before it touches a layer's
 pools; only that layer's copies have to be done, not the whole load.
 
 On CPU the copies run on a background thread and each layer has a `threading.Event`. On
