@@ -80,3 +80,27 @@ def test_server_info_tells_the_bound_port_and_the_served_checkpoint(tmp_path):
         assert "\"port\": %d" % s.port in "".join(s.lines), s.lines[-5:]   # the settings line too
     finally:
         assert s.stop() == 0, "".join(s.lines[-30:])
+
+
+def test_request_lines_and_the_busy_line():
+    """--log-requests: one line per finished request, with its tokens by tier; while
+    busy, a line every --log-interval seconds with the queues, the prompt tokens new and
+    cached, decode throughput and each component's pool in use."""
+    import time
+    s = ServerProc("--max-total-tokens", "4096", "--log-requests", "--log-interval", "0.2")
+    try:
+        body = {"text": "a prompt sent twice, so that the second reuses it " * 3,
+                "sampling_params": {"max_new_tokens": 24}, "rid": "first"}
+        assert s.post("/generate", body)[0] == 200
+        assert s.post("/generate", {**body, "rid": "second"})[0] == 200
+        time.sleep(1.5)
+        log = "".join(s.lines)
+        first = next(line for line in s.lines if "request first:" in line)
+        second = next(line for line in s.lines if "request second:" in line)
+        assert "finished (length)" in first and "cached 0 " in first and "output 24" in first, first
+        assert "cached 0 " not in second and "TTFT" in second and "latency" in second, second
+        busy = [line for line in s.lines if "activity, last" in line]
+        assert busy, log[-2000:]
+        assert "running" in busy[0] and "waiting" in busy[0] and "tok/s" in busy[0] and "full " in busy[0], busy
+    finally:
+        assert s.stop() == 0, "".join(s.lines[-30:])

@@ -64,8 +64,10 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
 
 async def _respond(request, jobs: Jobs, batch: list[Job], stream: bool, include_usage: bool, kind: str, name: str,
                    names: dict):
-    streams = await jobs.start(batch, names)
     rid = new_id("chatcmpl-" if kind == "chat.completion" else "cmpl-")
+    for i, j in enumerate(batch):  # the log names each prompt by the response's id
+        j.rid = j.rid or (rid if len(batch) == 1 else f"{rid}-{i}")
+    streams = await jobs.start(batch, names)
     created = int(time.time())
     if stream:
         return StreamingResponse(_sse(jobs, batch[0], streams[0], include_usage, kind, rid, created, name, request),

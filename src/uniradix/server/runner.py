@@ -14,6 +14,7 @@ from collections import deque
 from concurrent.futures import Future
 
 from ..engine import Engine, Request
+from .activity import ActivityLog, request_line
 from .sessions import Sessions
 
 log = logging.getLogger("uniradix.server")
@@ -28,8 +29,9 @@ class Stream:
     """One request's events for the event loop: (new output ids, done). The scheduler
     thread pushes; the handler awaits `get`."""
 
-    def __init__(self, req: Request, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, req: Request, loop: asyncio.AbstractEventLoop, client_id: str | None = None) -> None:
         self.req = req
+        self.client_id = client_id  # the id the client knows the request by (rid), for the log
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.sent = 0
@@ -49,9 +51,12 @@ class EngineRunner:
     """Owns the engine on one thread. `admit` is the HTTP side's queue limit: requests
     handed over and not yet started, beyond the batch's free places."""
 
-    def __init__(self, engine: Engine, metrics=None, session_timeout: float | None = None) -> None:
+    def __init__(self, engine: Engine, metrics=None, session_timeout: float | None = None,
+                 log_requests: bool = False, log_interval: float | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.log_requests = log_requests
+        self.activity = ActivityLog(engine, log_interval)
         self.sessions = Sessions(session_timeout)
         self.streams: dict[int, Stream] = {}
         self._inbox: deque = deque()
@@ -152,6 +157,7 @@ class EngineRunner:
                 if self._busy():
                     eng.step()
                     self._emit()
+                self.activity.tick()
                 self._expire_sessions()
         except BaseException as e:  # a bug in the engine: every stream ends with it
             self.failure = e
@@ -243,6 +249,8 @@ class EngineRunner:
                 self.sessions.end(req.session_id)
             if m is not None:
                 m.finished(req)
+            if self.log_requests:
+                log.info("%s", request_line(req, s.client_id))
 
     def _expire_sessions(self) -> None:
         for sid in self.sessions.expired():

@@ -66,7 +66,7 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
     budget = budget or connection_budget(config.max_connections)
     config = replace(config, max_connections=budget.max_connections)  # reported as in force
     metrics = ServerMetrics()
-    runner = EngineRunner(engine, metrics, config.session_timeout)
+    runner = EngineRunner(engine, metrics, config.session_timeout, config.log_requests, config.log_interval)
     app = build_app(runner, config, metrics, model_name, engine_settings)
     runner.start()
     # on a signal the runner gets the graceful deadline: it aborts what is still running

@@ -35,6 +35,11 @@ class ServerConfig(Settings):
     session_timeout: float | None = setting(None, "seconds a session may stay unused before it is closed "
                                             "(default: until /close_session; /open_session may set its own)",
                                             check=optional(number(above=0)))
+    log_requests: bool = setting(False, "log one line per finished request: its id, how it ended, prompt, "
+                                 "cached (by tier), computed and output tokens, TTFT, latency")
+    log_interval: float | None = setting(10.0, "while requests run, log a line this often (seconds): running and "
+                                         "waiting requests, new and cached prompt tokens, decode throughput, "
+                                         "each component's pool in use", check=optional(number(above=0)))
     graceful_timeout: float = setting(30.0, "seconds a SIGTERM'd server takes at most: running requests finish "
                                       "(then are aborted), then the tiers are written down to L3 (with L3 the "
                                       "last quarter is kept for that, at most io_timeout)",
