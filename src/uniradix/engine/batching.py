@@ -11,7 +11,7 @@ import torch
 from ..cache import CacheFull, RequestState
 from ..model import PagedInput
 from .request import Request
-from .sampling import sample
+from .sampling import sample, token_logprobs
 
 
 class Batching:
@@ -128,6 +128,8 @@ class Batching:
         if req.record_logits:
             req.logits.append(row.detach().to("cpu", copy=True))
         tok = sample(row, req.sampling, st.rng)
+        if req.logprobs is not None:
+            req.output_logprobs.append(token_logprobs(row, tok, req.logprobs))
         now = time.perf_counter()
         if req.metrics.first_token is None:
             req.metrics.first_token = now

@@ -20,6 +20,8 @@ _ids = itertools.count()
 GREEDY_BELOW = 1e-5
 #: new tokens when a request names no count
 DEFAULT_MAX_NEW_TOKENS = 16
+#: the most alternatives a request may ask logprobs for, per token (vLLM's limit)
+MAX_TOP_LOGPROBS = 20
 
 
 def _is_int(v) -> bool:
@@ -152,7 +154,11 @@ class Request:
     After the run: `status` is "finished", "error" or "aborted"; `output_ids`,
     `finish_reason` ("length", "stop", "error" or "abort"), `matched_stop` (the stop id or
     string that ended it), `error` and `metrics` say what happened. With
-    `record_logits`, `logits` holds the logits each output token was drawn from."""
+    `record_logits`, `logits` holds the logits each output token was drawn from. With
+    `logprobs` k (0 to MAX_TOP_LOGPROBS), `output_logprobs` holds, per output token, its
+    log probability under the model's distribution at that step (the raw logits'
+    log-softmax, before temperature, top-k and top-p, as vLLM reports by default) and
+    the k likeliest tokens with theirs: (logprob, [(token id, logprob), ...])."""
 
     input_ids: list[int] | None = None
     text: str | None = None
@@ -161,6 +167,7 @@ class Request:
     salt: object = None
     priority: int | None = None
     record_logits: bool = False
+    logprobs: int | None = None
     rid: int = field(default_factory=lambda: next(_ids))
     status: str = "new"
     output_ids: list[int] = field(default_factory=list)
@@ -168,6 +175,7 @@ class Request:
     matched_stop: int | str | None = None
     error: str | None = None
     logits: list = field(default_factory=list)
+    output_logprobs: list = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     def __post_init__(self) -> None:
@@ -188,6 +196,9 @@ class Request:
         salt_key(self.salt)  # the one salt rule: None, str, bytes or int
         if not isinstance(self.record_logits, bool):
             raise ValueError(f"record_logits must be a bool, got {self.record_logits!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be an int in [0, {MAX_TOP_LOGPROBS}] (the top tokens returned beside "
+                             f"the sampled one), got {self.logprobs!r:.20}")
         bad = [t for t in self.sampling.stop_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_ids must be in [0, {vocab_size}), got {bad[:5]}")

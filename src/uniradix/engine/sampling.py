@@ -22,3 +22,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         keep = p.cumsum(-1) - p < params.top_p  # a token is kept if the mass before it is short of top_p
         probs = torch.zeros_like(probs).scatter(0, order[keep], p[keep])
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, top: int) -> tuple[float, list]:
+    """The log probability of `token` under one row of logits (log-softmax in float32:
+    the raw distribution, before temperature and truncation) and the `top` likeliest
+    tokens with theirs, likeliest first."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    alternatives = []
+    if top:
+        values, ids = torch.topk(lp, top)
+        alternatives = list(zip(ids.tolist(), values.tolist()))
+    return float(lp[token]), alternatives

@@ -6,7 +6,7 @@ the field (a 4xx), never an exception from deeper down.
 (compat.py sorts them: used, ignored, accepted at their neutral value only); a field
 SGLang does not know either is ignored with one warning per name, as SGLang and vLLM
 do. OpenAI clients send many optional fields, so the OpenAI routes ignore the ones
-they do not use but refuse values they cannot honour (n > 1, logprobs)."""
+they do not use but refuse values they cannot honour (n > 1, prompt logprobs)."""
 from __future__ import annotations
 
 import json
@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from ..engine import Request, SamplingParams
+from ..engine.request import MAX_TOP_LOGPROBS
 from .compat import (GENERATE_IGNORED, GENERATE_NEUTRAL, GENERATE_USED, SAMPLING_IGNORED, SAMPLING_NEUTRAL,
                      SAMPLING_USED, UNKNOWN, neutral)
 
@@ -35,6 +36,8 @@ class Job:
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     rid: str | None = None
+    logprobs: bool = False            # the answer carries the output tokens' logprobs (logprobs.py)
+    text_in_logprobs: bool = False    # ... with each token's text (SGLang's return_text_in_logprobs)
 
 
 # ---------------------------------------------------------------------------- field checks
@@ -152,7 +155,6 @@ def parse_generate(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[Job
     """(jobs, batched, stream) for a `/generate` body."""
     want(isinstance(body, dict), "the request body", "a JSON object", type(body).__name__)
     _known_fields("/generate", body, GENERATE_USED, GENERATE_IGNORED, GENERATE_NEUTRAL)
-    only("return_logprob", body.get("return_logprob", False), (False, None))
     want(body.get("modalities") in (None, []) or (isinstance(body.get("modalities"), list)
                                                   and all(m is None for m in body["modalities"])),
          "modalities", "null or empty (no image, video or audio input is supported)", body.get("modalities"))
@@ -186,14 +188,35 @@ def parse_generate(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[Job
                                          _per_prompt("cache_salt", body.get("cache_salt"), n, batched, str))]
     priority = body.get("priority")
     want(priority is None or _int(priority), "priority", "an int", priority)
+    want_lp = _per_prompt("return_logprob", body.get("return_logprob"), n, batched, bool)
+    tops = _per_prompt("top_logprobs_num", body.get("top_logprobs_num"), n, batched, int)
+    starts = _per_prompt("logprob_start_len", body.get("logprob_start_len"), n, batched, int)
+    with_text = body.get("return_text_in_logprobs", False)
+    want(isinstance(with_text, bool), "return_text_in_logprobs", "true or false", with_text)
     jobs = []
     for i, (p, sp, rid, salt) in enumerate(zip(prompts, sps, rids, salts)):
         prefix = f"sampling_params[{i}]" if batched else "sampling_params"
         sampling, extra = sampling_from_sglang(sp or {}, eos, prefix)
+        lp = _generate_logprobs(want_lp[i], tops[i], starts[i], f"[{i}]" if batched else "")
         req = Request(input_ids=None if text is not None else p, text=p if text is not None else None,
-                      sampling=sampling, session_id=sid, priority=priority, salt=salt)
-        jobs.append(Job(req, sampling.stop, rid=rid, **extra))
+                      sampling=sampling, session_id=sid, priority=priority, salt=salt, logprobs=lp)
+        jobs.append(Job(req, sampling.stop, rid=rid, logprobs=lp is not None, text_in_logprobs=with_text, **extra))
     return jobs, batched, stream
+
+
+def _top_count(name: str, v) -> int:
+    want(v is None or (_int(v) and 0 <= v <= MAX_TOP_LOGPROBS), name, f"an int in [0, {MAX_TOP_LOGPROBS}]", v)
+    return v or 0
+
+
+def _generate_logprobs(asked, top, start, at: str) -> int | None:
+    """The engine's `logprobs` count for a /generate prompt (None: none asked)."""
+    if not asked:
+        return None
+    if start is not None and start >= 0:
+        raise BadRequest(f"logprob_start_len{at}={start}: prompt logprobs are not supported (only -1, the output "
+                         f"tokens' logprobs)")
+    return _top_count(f"top_logprobs_num{at}", top)
 
 
 def _per_prompt(name: str, v, n: int, batched: bool, kind) -> list:
@@ -261,9 +284,7 @@ def _openai_sampling(body: dict, eos: tuple[int, ...], max_tokens, default: int,
                      names: dict = OPENAI_NAMES) -> SamplingParams:
     only("n", body.get("n", 1), (1, None))
     only("best_of", body.get("best_of"), (1, None))
-    only("echo", body.get("echo", False), (False, None))
-    only("logprobs", body.get("logprobs"), (None, False))
-    only("top_logprobs", body.get("top_logprobs"), (None, 0))
+    only("echo", body.get("echo", False), (False, None))  # the prompt's text back (and its logprobs)
     only("logit_bias", body.get("logit_bias"), (None, {}))
     only("suffix", body.get("suffix"), (None, ""))
     for k in ("presence_penalty", "frequency_penalty"):
@@ -316,16 +337,20 @@ def parse_completion(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[J
         raise BadRequest("stream with more than one prompt is not supported")
     max_tokens = body.get("max_tokens")
     sampling = _openai_sampling(body, eos, max_tokens, COMPLETION_MAX_TOKENS)
+    k = body.get("logprobs")  # completions: how many alternatives per token (0: the sampled token's alone)
+    lp = None if k is None or k is False else _top_count("logprobs", k)
     jobs = [Job(Request(text=p if kind == "text" else None, input_ids=p if kind == "ids" else None,
-                        sampling=sampling, session_id=sid, salt=salt), sampling.stop) for kind, p in prompts]
+                        sampling=sampling, session_id=sid, salt=salt, logprobs=lp), sampling.stop,
+                logprobs=lp is not None) for kind, p in prompts]
     return jobs, stream, usage
 
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def parse_chat(body, eos: tuple[int, ...]) -> tuple[list[dict], SamplingParams, bool, bool, object, object]:
-    """(messages, sampling, stream, include_usage, session id, salt) for `/v1/chat/completions`."""
+def parse_chat(body, eos: tuple[int, ...]) -> tuple:
+    """(messages, sampling, stream, include_usage, session id, salt, logprobs count or
+    None) for `/v1/chat/completions`."""
     stream, usage, sid, salt = _openai_common(body)
     msgs = body.get("messages")
     want(isinstance(msgs, list) and msgs, "messages", "a non-empty list of messages", msgs)
@@ -350,7 +375,21 @@ def parse_chat(body, eos: tuple[int, ...]) -> tuple[list[dict], SamplingParams, 
         want(isinstance(rf, dict) and rf.get("type") == "text", "response_format", '{"type": "text"}', rf)
     field = chat_count_field(body)
     return (out, _openai_sampling(body, eos, body.get(field), CHAT_MAX_TOKENS,
-                                  {**OPENAI_NAMES, "max_new_tokens": field}), stream, usage, sid, salt)
+                                  {**OPENAI_NAMES, "max_new_tokens": field}), stream, usage, sid, salt,
+            chat_logprobs_count(body))
+
+
+def chat_logprobs_count(body: dict) -> int | None:
+    """Chat's `logprobs` (true: the output tokens' logprobs) and `top_logprobs` (how many
+    alternatives, which needs logprobs true): the engine's count, or None."""
+    asked = body.get("logprobs")
+    want(asked is None or isinstance(asked, bool), "logprobs", "true or false", asked)
+    top = body.get("top_logprobs")
+    if not asked:
+        if top:
+            raise BadRequest("top_logprobs needs logprobs: true")
+        return None
+    return _top_count("top_logprobs", top)
 
 
 def chat_count_field(body: dict) -> str:

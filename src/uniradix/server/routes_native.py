@@ -10,6 +10,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .jobs import Jobs, cached_split, check_outcome, finish_reason, new_id
+from .logprobs import sglang_meta
 from .protocol import Job, parse_generate
 from .textout import TextOut
 
@@ -22,6 +23,8 @@ def meta_info(job: Job, out: TextOut, done: bool) -> dict:
             "cached_tokens_details": cached_split(req)}
     if done and m.latency is not None:
         info["e2e_latency"] = m.latency
+    if job.logprobs:
+        info.update(sglang_meta(req, out.tokenizer, job.text_in_logprobs))
     return info
 
 

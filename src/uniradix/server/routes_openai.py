@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..engine import Request
 from .jobs import Jobs, check_outcome, new_id, openai_finish, usage
+from .logprobs import chat_logprobs, completion_logprobs
 from .protocol import Job, chat_count_field, parse_chat, parse_completion
 
 
@@ -54,10 +55,11 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
         body = await read_body(request)
-        messages, sampling, stream, include_usage, sid, salt = parse_chat(body, jobs.eos())
+        messages, sampling, stream, include_usage, sid, salt, lp = parse_chat(body, jobs.eos())
         app.state.check_model(body)
         ids = await asyncio.to_thread(chat_prompt, jobs.tokenizer, messages)
-        job = Job(Request(input_ids=ids, sampling=sampling, session_id=sid, salt=salt), sampling.stop)
+        job = Job(Request(input_ids=ids, sampling=sampling, session_id=sid, salt=salt, logprobs=lp), sampling.stop,
+                  logprobs=lp is not None)
         names = {**CHAT_NAMES, "max_new_tokens": chat_count_field(body)}
         return await _respond(request, jobs, [job], stream, include_usage, "chat.completion", name, names)
 
@@ -77,6 +79,9 @@ async def _respond(request, jobs: Jobs, batch: list[Job], stream: bool, include_
     choices = []
     for i, (job, out) in enumerate(zip(batch, outs)):
         c = {"index": i, "finish_reason": openai_finish(job.req), "logprobs": None}
+        if job.logprobs:
+            c["logprobs"] = (chat_logprobs(job.req, jobs.tokenizer) if kind == "chat.completion"
+                             else completion_logprobs(job.req, jobs.tokenizer))
         if kind == "chat.completion":
             c["message"] = {"role": "assistant", "content": out.shown}
         else:
@@ -92,12 +97,29 @@ async def _sse(jobs: Jobs, job: Job, s, include_usage: bool, kind: str, rid: str
     obj = "chat.completion.chunk" if chat else "text_completion"
     out = jobs.text_out(job)
 
-    def chunk(delta: str | None, finish, usage_=None, role: bool = False) -> str:
+    sent = [0, 0]  # output tokens whose logprobs went out, and the text length before them
+
+    def logprobs(upto: int | None):
+        """The logprobs of the tokens not yet sent, up to `upto` (None: all): a chunk
+        carries those of the tokens that arrived since the last chunk."""
+        if not job.logprobs:
+            return None
+        end = len(job.req.output_logprobs) if upto is None else upto
+        if chat:
+            lp = chat_logprobs(job.req, jobs.tokenizer, sent[0], end)
+        else:
+            lp = completion_logprobs(job.req, jobs.tokenizer, sent[0], end, sent[1])
+            sent[1] += sum(len(t) for t in lp["tokens"])
+        sent[0] = end
+        return lp
+
+    def chunk(delta: str | None, finish, usage_=None, role: bool = False, upto: int | None = -1) -> str:
+        lp = None if upto == -1 else logprobs(upto)
         if chat:
             d = {"role": "assistant", "content": ""} if role else ({} if delta is None else {"content": delta})
-            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": d, "finish_reason": finish, "logprobs": lp}
         else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": lp}
         body = {"id": rid, "object": obj, "created": created, "model": name,
                 "choices": [] if usage_ is not None else [choice]}
         if usage_ is not None:
@@ -112,8 +134,8 @@ async def _sse(jobs: Jobs, job: Job, s, include_usage: bool, kind: str, rid: str
             ids, finished = await s.get()
             delta = out.delta(ids, finished)
             if delta:
-                yield chunk(delta, None)
-        yield chunk(None, openai_finish(job.req))
+                yield chunk(delta, None, upto=len(out.ids))
+        yield chunk(None, openai_finish(job.req), upto=None)
         if include_usage:
             yield chunk(None, None, usage([job.req]))
         yield "data: [DONE]\n\n"
