@@ -64,3 +64,48 @@ def test_a_bad_count_is_refused_at_submit(make_engine, bad):
     eng = make_engine()
     with pytest.raises(ValueError, match="logprobs"):
         eng.submit(Request(input_ids=[1, 2, 3], logprobs=bad))
+
+
+@pytest.mark.parametrize("config", ["tiny-hybrid", "full-only"])
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("start", [0, 1, 17, 39])
+def test_prompt_logprobs_are_recomputed_where_the_cache_holds_them(make_engine, config, page_size, start):
+    """Prompt logprobs from `start`: the engine reuses the cache only up to start - 1,
+    so the second identical prompt (fully cached) gets the values the first computed,
+    equal to the no-cache oracle's; the part before still comes from the cache (all of
+    it with full attention alone; a recurrent layer reuses only at a checkpoint)."""
+    eng = make_engine(config, page_size=page_size, max_total_tokens=1024, chunked_prefill_size=8)
+    rng = random.Random(11)
+    prompt = toks(rng, 40)
+    runs = []
+    for _ in range(2):
+        r = Request(input_ids=prompt, sampling=SamplingParams(max_new_tokens=2), logprobs=2,
+                    prompt_logprobs_from=start)
+        run_checked(eng, [r])
+        runs.append(r)
+    ref = torch.log_softmax(eng.model.reference(prompt).float(), -1) if hasattr(eng.model, "reference") else None
+    for r in runs:
+        assert len(r.prompt_logprobs) == len(prompt) - start
+        for i, entry in enumerate(r.prompt_logprobs):
+            pos = start + i
+            if pos == 0:
+                assert entry is None
+                continue
+            lp, top = entry
+            assert len(top) == 2 and lp <= 0
+            if ref is not None:
+                assert lp == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=TOL)
+    for (x, _), (y, _) in zip([e for e in runs[0].prompt_logprobs if e], [e for e in runs[1].prompt_logprobs if e]):
+        assert x == pytest.approx(y, abs=TOL)
+    cap = max(0, start - 1) // page_size * page_size
+    cached = runs[1].metrics.cached_tokens
+    assert cached == cap if config == "full-only" else cached <= cap  # up to the first scoring row
+    assert runs[1].output_ids == runs[0].output_ids
+
+
+def test_prompt_logprobs_past_the_prompt_are_refused(make_engine):
+    eng = make_engine()
+    with pytest.raises(ValueError, match="prompt_logprobs_from"):
+        eng.submit(Request(input_ids=[1, 2, 3], prompt_logprobs_from=3))
+    with pytest.raises(ValueError, match="prompt_logprobs_from"):
+        eng.submit(Request(input_ids=[1, 2, 3], prompt_logprobs_from=-1))

@@ -62,3 +62,31 @@ def test_chat_logprobs_whole_and_streamed(server):
             streamed += event["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in streamed] == [c["token"] for c in content]
     assert [c["logprob"] for c in streamed] == pytest.approx([c["logprob"] for c in content], abs=1e-4)
+
+
+def test_prompt_logprobs_on_generate_and_echo(server):
+    """SGLang's logprob_start_len and OpenAI's echo with logprobs: the prompt tokens'
+    logprobs, recomputed even where the cache holds the prompt (the second request
+    gets what the first computed)."""
+    got = []
+    for _ in range(2):
+        out = _generate(server, return_logprob=True, logprob_start_len=0, top_logprobs_num=1)
+        got.append(out["meta_info"])
+    for m in got:
+        ins, tops = m["input_token_logprobs"], m["input_top_logprobs"]
+        assert len(ins) == m["prompt_tokens"] == len(tops)
+        assert ins[0][0] is None and tops[0] is None and all(lp <= 0 for lp, _, _ in ins[1:])
+        assert all(len(t) == 1 for t in tops[1:])
+    assert [x for x, _, _ in got[0]["input_token_logprobs"][1:]] == pytest.approx(
+        [x for x, _, _ in got[1]["input_token_logprobs"][1:]], abs=1e-4)
+    status, out, _ = server.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+                                                     "echo": True, "logprobs": 1})
+    assert status == 200, out
+    c = out["choices"][0]
+    assert c["text"].startswith(PROMPT)
+    lp = c["logprobs"]
+    n = out["usage"]["prompt_tokens"]
+    assert len(lp["tokens"]) == n + 3 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert "".join(lp["tokens"][:n]) == PROMPT
+    assert lp["token_logprobs"][1:n] == pytest.approx([x for x, _, _ in got[0]["input_token_logprobs"][1:]],
+                                                      abs=1e-4)

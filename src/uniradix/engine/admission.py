@@ -68,8 +68,8 @@ class Admission:
         computing it is asked to capture a checkpoint and keep the window there, and
         `st` waits. Nothing to gain, or no leader able to give it: admitted as it is."""
         reading = self.prefetching
-        if not self.running and not reading:
-            return False
+        if not self.running and not reading or reuse_end(st) < len(st.tokens) - 1:
+            return False  # nobody to wait for, or it reuses less than the prefix (prompt logprobs)
         P = self.page_size
         page_bytes = P * TOKEN_BYTES
         key = encode(st.tokens[:-1])  # what its match covers: the last token is computed
@@ -137,7 +137,7 @@ class Admission:
         """Match all but the last token, so at least one is computed and gives the
         logits to sample from, and allocate pages for all of them; all or nothing."""
         st.prompt_len = len(st.tokens)
-        self.cache.match_prefix(st.tokens[:-1], st.salt, st.priority, alloc=True, state=st)
+        self.cache.match_prefix(st.tokens[:reuse_end(st)], st.salt, st.priority, alloc=True, state=st)
         try:
             self.cache.alloc_request(st, len(st.tokens))
         except CacheFull:
@@ -183,3 +183,14 @@ class Admission:
         except CacheFull:
             self.counters["checkpoints_skipped"] += 1
             return None
+
+
+def reuse_end(st: RequestState) -> int:
+    """How much of its tokens a request may take from the cache: all but the last (which
+    must be computed for its logits), or, while its prompt logprobs from p are still to
+    come, p - 1 (the row before a token is the one that scores it)."""
+    req = st.owner
+    p = req.prompt_logprobs_from
+    if p is None or len(req.prompt_logprobs) >= len(req.input_ids) - p:
+        return len(st.tokens) - 1
+    return min(len(st.tokens) - 1, max(0, p - 1))

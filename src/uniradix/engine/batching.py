@@ -107,10 +107,14 @@ class Batching:
                 st.rolling = e
             elif self._checkpoint(st, e) is not None:
                 st.rolling = e
-        # logits only where _advance samples: the last row of a chunk that reaches the end
-        # of the request's tokens (its prompt's last, or a decode token); none elsewhere
-        return PagedInput(st.tokens[s:e], s, st.pages, st.state_slot, st.captures(s, e),
-                          logit_rows=1 if e == len(st.tokens) else 0)
+        # logits only where they are used: the last row of a chunk that reaches the end of
+        # the request's tokens (its prompt's last, or a decode token), and the rows that
+        # score the prompt tokens whose logprobs were asked for
+        rows = 1 if e == len(st.tokens) else 0
+        first = _first_scoring_row(st, s, e)
+        if first is not None:
+            rows = max(rows, e - first)
+        return PagedInput(st.tokens[s:e], s, st.pages, st.state_slot, st.captures(s, e), logit_rows=rows)
 
     def _advance(self, st: RequestState, inp: PagedInput, logits: torch.Tensor, done: list[Request]) -> None:
         req = st.owner
@@ -119,6 +123,8 @@ class Batching:
         req.metrics.computed_tokens += prefill
         self.counters["prefill_tokens"] += prefill
         self.counters["decode_tokens"] += n - prefill
+        if _first_scoring_row(st, inp.start, inp.end) is not None:
+            _record_prompt_logprobs(st, inp, logits)
         st.computed += n
         if self.cache.windowed:
             self.cache.release_out_of_window(st, st.computed)
@@ -168,3 +174,28 @@ class Batching:
         self.cache.cache_finished(st, session_id)
         if self.storage is not None:
             self.storage.write_through(st)
+
+
+def _first_scoring_row(st: RequestState, s: int, e: int) -> int | None:
+    """The first position in [s, e) whose row scores a prompt token still owed to the
+    request's prompt logprobs (row q scores the token at q + 1), or None."""
+    req = st.owner
+    p = req.prompt_logprobs_from
+    if p is None:
+        return None
+    n = len(req.input_ids)
+    first = max(s, p - 1 + len(req.prompt_logprobs), 0)
+    return first if first < min(e, n - 1) else None
+
+
+def _record_prompt_logprobs(st: RequestState, inp, logits: torch.Tensor) -> None:
+    """The prompt logprobs this chunk's rows give, in order, each once (a preempted
+    request that computes them again adds nothing)."""
+    req = st.owner
+    p, ids, k = req.prompt_logprobs_from, req.input_ids, req.logprobs or 0
+    if p == 0 and not req.prompt_logprobs:
+        req.prompt_logprobs.append(None)  # nothing predicts the first token
+    row0 = inp.end - logits.shape[0]  # the position of the first row computed
+    for q in range(max(row0, p - 1 + len(req.prompt_logprobs)), min(inp.end, len(ids) - 1)):
+        if q + 1 - p == len(req.prompt_logprobs):
+            req.prompt_logprobs.append(token_logprobs(logits[q - row0], ids[q + 1], k))

@@ -139,6 +139,9 @@ class Engine(Admission, Batching):
                                  f"match its config")
         if not ids:
             raise ValueError(f"request {req.rid} has an empty prompt")
+        if req.prompt_logprobs_from is not None and req.prompt_logprobs_from >= len(ids):
+            raise ValueError(f"request {req.rid}: prompt_logprobs_from {req.prompt_logprobs_from} is past the "
+                             f"prompt's {len(ids)} tokens")
         req.input_ids = ids
         req.metrics.prompt_tokens = len(ids)
         return self._over_context(req) or self._never_fits(req)

@@ -158,7 +158,11 @@ class Request:
     `logprobs` k (0 to MAX_TOP_LOGPROBS), `output_logprobs` holds, per output token, its
     log probability under the model's distribution at that step (the raw logits'
     log-softmax, before temperature, top-k and top-p, as vLLM reports by default) and
-    the k likeliest tokens with theirs: (logprob, [(token id, logprob), ...])."""
+    the k likeliest tokens with theirs: (logprob, [(token id, logprob), ...]). With
+    `prompt_logprobs_from` p, `prompt_logprobs` holds the same for each prompt token from
+    position p on (None for position 0, which nothing predicts); the engine reuses the
+    cache only up to p - 1 for it and computes the rest, so they come from this step's
+    logits, as the cache-off engine's do."""
 
     input_ids: list[int] | None = None
     text: str | None = None
@@ -168,6 +172,7 @@ class Request:
     priority: int | None = None
     record_logits: bool = False
     logprobs: int | None = None
+    prompt_logprobs_from: int | None = None
     rid: int = field(default_factory=lambda: next(_ids))
     status: str = "new"
     output_ids: list[int] = field(default_factory=list)
@@ -176,6 +181,7 @@ class Request:
     error: str | None = None
     logits: list = field(default_factory=list)
     output_logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
     def __post_init__(self) -> None:
@@ -199,6 +205,9 @@ class Request:
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs must be an int in [0, {MAX_TOP_LOGPROBS}] (the top tokens returned beside "
                              f"the sampled one), got {self.logprobs!r:.20}")
+        p = self.prompt_logprobs_from
+        if p is not None and not (_is_int(p) and p >= 0):
+            raise ValueError(f"prompt_logprobs_from must be an int >= 0 (a prompt position), got {p!r:.20}")
         bad = [t for t in self.sampling.stop_ids if t >= vocab_size]
         if bad:
             raise ValueError(f"stop_ids must be in [0, {vocab_size}), got {bad[:5]}")

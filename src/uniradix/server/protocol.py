@@ -37,6 +37,7 @@ class Job:
     no_stop_trim: bool = False
     rid: str | None = None
     logprobs: bool = False            # the answer carries the output tokens' logprobs (logprobs.py)
+    echo: bool = False                # completions: the prompt's text (and logprobs) before the output's
     text_in_logprobs: bool = False    # ... with each token's text (SGLang's return_text_in_logprobs)
 
 
@@ -197,9 +198,11 @@ def parse_generate(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[Job
     for i, (p, sp, rid, salt) in enumerate(zip(prompts, sps, rids, salts)):
         prefix = f"sampling_params[{i}]" if batched else "sampling_params"
         sampling, extra = sampling_from_sglang(sp or {}, eos, prefix)
-        lp = _generate_logprobs(want_lp[i], tops[i], starts[i], f"[{i}]" if batched else "")
+        lp = None if not want_lp[i] else _top_count(f"top_logprobs_num{f'[{i}]' if batched else ''}", tops[i])
+        start = starts[i] if lp is not None and starts[i] is not None and starts[i] >= 0 else None
         req = Request(input_ids=None if text is not None else p, text=p if text is not None else None,
-                      sampling=sampling, session_id=sid, priority=priority, salt=salt, logprobs=lp)
+                      sampling=sampling, session_id=sid, priority=priority, salt=salt, logprobs=lp,
+                      prompt_logprobs_from=start)
         jobs.append(Job(req, sampling.stop, rid=rid, logprobs=lp is not None, text_in_logprobs=with_text, **extra))
     return jobs, batched, stream
 
@@ -207,16 +210,6 @@ def parse_generate(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[Job
 def _top_count(name: str, v) -> int:
     want(v is None or (_int(v) and 0 <= v <= MAX_TOP_LOGPROBS), name, f"an int in [0, {MAX_TOP_LOGPROBS}]", v)
     return v or 0
-
-
-def _generate_logprobs(asked, top, start, at: str) -> int | None:
-    """The engine's `logprobs` count for a /generate prompt (None: none asked)."""
-    if not asked:
-        return None
-    if start is not None and start >= 0:
-        raise BadRequest(f"logprob_start_len{at}={start}: prompt logprobs are not supported (only -1, the output "
-                         f"tokens' logprobs)")
-    return _top_count(f"top_logprobs_num{at}", top)
 
 
 def _per_prompt(name: str, v, n: int, batched: bool, kind) -> list:
@@ -284,7 +277,6 @@ def _openai_sampling(body: dict, eos: tuple[int, ...], max_tokens, default: int,
                      names: dict = OPENAI_NAMES) -> SamplingParams:
     only("n", body.get("n", 1), (1, None))
     only("best_of", body.get("best_of"), (1, None))
-    only("echo", body.get("echo", False), (False, None))  # the prompt's text back (and its logprobs)
     only("logit_bias", body.get("logit_bias"), (None, {}))
     only("suffix", body.get("suffix"), (None, ""))
     for k in ("presence_penalty", "frequency_penalty"):
@@ -339,9 +331,14 @@ def parse_completion(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[J
     sampling = _openai_sampling(body, eos, max_tokens, COMPLETION_MAX_TOKENS)
     k = body.get("logprobs")  # completions: how many alternatives per token (0: the sampled token's alone)
     lp = None if k is None or k is False else _top_count("logprobs", k)
+    echo = body.get("echo", False)  # the prompt comes back before the completion (with logprobs: its own)
+    want(isinstance(echo, bool) or echo is None, "echo", "true or false", echo)
+    if echo and stream:
+        raise BadRequest("echo with stream is not supported")
     jobs = [Job(Request(text=p if kind == "text" else None, input_ids=p if kind == "ids" else None,
-                        sampling=sampling, session_id=sid, salt=salt, logprobs=lp), sampling.stop,
-                logprobs=lp is not None) for kind, p in prompts]
+                        sampling=sampling, session_id=sid, salt=salt, logprobs=lp,
+                        prompt_logprobs_from=0 if echo and lp is not None else None), sampling.stop,
+                logprobs=lp is not None, echo=bool(echo)) for kind, p in prompts]
     return jobs, stream, usage
 
 

@@ -44,7 +44,7 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
         batch, batched, stream = await asyncio.to_thread(parse_generate, body, jobs.eos(), max_batch)
         for j in batch:
             j.rid = j.rid or new_id()
-        streams = await jobs.start(batch, {"stop_ids": "stop_token_ids"})
+        streams = await jobs.start(batch, {"stop_ids": "stop_token_ids", "prompt_logprobs_from": "logprob_start_len"})
         if stream:
             return StreamingResponse(_sse(jobs, batch, streams, batched, request), media_type="text/event-stream")
         outs = await jobs.finish(batch, streams, request)

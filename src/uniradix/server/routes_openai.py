@@ -81,11 +81,13 @@ async def _respond(request, jobs: Jobs, batch: list[Job], stream: bool, include_
         c = {"index": i, "finish_reason": openai_finish(job.req), "logprobs": None}
         if job.logprobs:
             c["logprobs"] = (chat_logprobs(job.req, jobs.tokenizer) if kind == "chat.completion"
-                             else completion_logprobs(job.req, jobs.tokenizer))
+                             else completion_logprobs(job.req, jobs.tokenizer, echo=job.echo))
         if kind == "chat.completion":
             c["message"] = {"role": "assistant", "content": out.shown}
         else:
-            c["text"] = out.shown
+            prompt = (job.req.text if job.req.text is not None else jobs.tokenizer.decode(job.req.input_ids)) \
+                if job.echo else ""
+            c["text"] = prompt + out.shown
         choices.append(c)
     return JSONResponse({"id": rid, "object": kind, "created": created, "model": name, "choices": choices,
                          "usage": usage([j.req for j in batch])})
