@@ -45,7 +45,7 @@ class Jobs:
             raise BadRequest(f"the waiting queue is full ({self.max_waiting} requests beyond the running batch); "
                              f"retry shortly", 503)
         loop = asyncio.get_running_loop()
-        streams = [Stream(job.req, loop, job.rid) for job in jobs]
+        streams = [Stream(job.req, loop, job.rid, job.session is not None) for job in jobs]
         for s in streams:
             self.runner.submit(s)
         return streams

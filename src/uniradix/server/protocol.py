@@ -38,6 +38,7 @@ class Job:
     rid: str | None = None
     logprobs: bool = False            # the answer carries the output tokens' logprobs (logprobs.py)
     echo: bool = False                # completions: the prompt's text (and logprobs) before the output's
+    session: tuple | None = None      # SGLang's session continuation: (id, rid, offset, drop_previous_output)
     text_in_logprobs: bool = False    # ... with each token's text (SGLang's return_text_in_logprobs)
 
 
@@ -180,11 +181,8 @@ def parse_generate(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[Job
         _per_prompt("rid", rid, n, batched, str)  # a batch's one rid prefixes its prompts' ids, as SGLang's does
     stream = body.get("stream", False)
     want(isinstance(stream, bool), "stream", "true or false", stream)
-    if body.get("session_params") is not None:  # SGLang's continuation: the server would prepend the history
-        raise BadRequest("session_params (SGLang's session continuation: the server keeps the conversation and "
-                         "the request sends only the new text) is not supported; send the whole conversation, "
-                         "with session_id to keep its cache")
-    sid = _session("session_id", body.get("session_id"))
+    continuation = _continuation(body, batched)
+    sid = continuation[0] if continuation else _session("session_id", body.get("session_id"))
     salts = [_salt(e, c) for e, c in zip(_per_prompt("extra_key", body.get("extra_key"), n, batched, str),
                                          _per_prompt("cache_salt", body.get("cache_salt"), n, batched, str))]
     priority = body.get("priority")
@@ -203,8 +201,42 @@ def parse_generate(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[Job
         req = Request(input_ids=None if text is not None else p, text=p if text is not None else None,
                       sampling=sampling, session_id=sid, priority=priority, salt=salt, logprobs=lp,
                       prompt_logprobs_from=start)
-        jobs.append(Job(req, sampling.stop, rid=rid, logprobs=lp is not None, text_in_logprobs=with_text, **extra))
+        jobs.append(Job(req, sampling.stop, rid=rid, logprobs=lp is not None, text_in_logprobs=with_text,
+                        session=continuation, **extra))
     return jobs, batched, stream
+
+
+SESSION_FIELDS = ("id", "rid", "offset", "replace", "drop_previous_output")
+
+
+def _continuation(body: dict, batched: bool) -> tuple | None:
+    """SGLang's session_params: the server keeps each turn of the session, and this
+    request continues turn `rid` (default: the latest) with only its new tokens, after
+    that turn's prompt and output (its prompt alone with drop_previous_output), cut at
+    `offset`. `replace` (abort a turn and its branches) is refused."""
+    sp = body.get("session_params")
+    if sp is None:
+        return None
+    want(isinstance(sp, dict), "session_params", "an object", sp)
+    if body.get("session_id") is not None:
+        raise BadRequest("give session_id or session_params, not both (as SGLang asks)")
+    if batched:
+        raise BadRequest("session_params continues one conversation: send one prompt")
+    unknown = sorted(set(sp) - set(SESSION_FIELDS))
+    if unknown:
+        raise BadRequest(f"session_params: unknown field(s) {unknown}; it takes {', '.join(SESSION_FIELDS)}")
+    sid = sp.get("id")
+    want(isinstance(sid, str) and sid, "session_params.id", "a non-empty string", sid)
+    rid = sp.get("rid")
+    want(rid is None or (isinstance(rid, str) and rid), "session_params.rid", "a request id (a string)", rid)
+    offset = sp.get("offset")
+    want(offset is None or (_int(offset) and offset >= 0), "session_params.offset", "an int >= 0", offset)
+    drop = sp.get("drop_previous_output")
+    want(drop is None or isinstance(drop, bool), "session_params.drop_previous_output", "true or false", drop)
+    if sp.get("replace"):
+        raise BadRequest("session_params.replace (abort a turn and its branches, then insert this one) is not "
+                         "supported; continue from the turn before it with session_params.rid")
+    return sid, rid, offset, bool(drop)
 
 
 def _top_count(name: str, v) -> int:

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from .jobs import Jobs, cached_split, check_outcome, finish_reason, new_id
 from .logprobs import sglang_meta
-from .protocol import Job, parse_generate
+from .protocol import BadRequest, Job, parse_generate
 from .textout import TextOut
 
 
@@ -44,6 +44,8 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
         batch, batched, stream = await asyncio.to_thread(parse_generate, body, jobs.eos(), max_batch)
         for j in batch:
             j.rid = j.rid or new_id()
+            if j.session is not None:
+                await _continue_session(jobs, j)
         streams = await jobs.start(batch, {"stop_ids": "stop_token_ids", "prompt_logprobs_from": "logprob_start_len"})
         if stream:
             return StreamingResponse(_sse(jobs, batch, streams, batched, request), media_type="text/event-stream")
@@ -51,6 +53,21 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
         check_outcome(batch)
         res = [result(j, o) for j, o in zip(batch, outs)]
         return JSONResponse(res if batched else res[0])
+
+
+async def _continue_session(jobs: Jobs, job: Job) -> None:
+    """The prompt of a session continuation: the turn it continues (prompt and output, as
+    the session recorded them) and then its own new tokens (text encoded without the
+    special tokens a first turn gets: they are inside the context already)."""
+    sid, rid, offset, drop = job.session
+    runner = jobs.runner
+    try:
+        ctx = await runner.run(lambda: runner.sessions.context(sid, rid, offset, drop))
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    req = job.req
+    new = req.input_ids if req.input_ids is not None else jobs.tokenizer.encode(req.text, add_special_tokens=False)
+    req.input_ids, req.text = ctx + list(new), None
 
 
 async def _sse(jobs: Jobs, batch: list[Job], streams, batched: bool, request):

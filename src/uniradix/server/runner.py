@@ -29,9 +29,11 @@ class Stream:
     """One request's events for the event loop: (new output ids, done). The scheduler
     thread pushes; the handler awaits `get`."""
 
-    def __init__(self, req: Request, loop: asyncio.AbstractEventLoop, client_id: str | None = None) -> None:
+    def __init__(self, req: Request, loop: asyncio.AbstractEventLoop, client_id: str | None = None,
+                 record: bool = False) -> None:
         self.req = req
         self.client_id = client_id  # the id the client knows the request by (rid), for the log
+        self.record = record        # a turn SGLang's session continuation may continue from
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.sent = 0
@@ -246,6 +248,8 @@ class EngineRunner:
         if req.done:
             del self.streams[req.rid]
             if req.session_id is not None:
+                if s.record and req.status == "finished":
+                    self.sessions.record(req.session_id, s.client_id, req.input_ids, req.output_ids)
                 self.sessions.end(req.session_id)
             if m is not None:
                 m.finished(req)
