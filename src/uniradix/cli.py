@@ -197,6 +197,12 @@ def main(argv=None) -> int:
     add_engine_args(s)
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
+    from .bench import hit_rate
+    h = sub.add_parser("hit-rate", formatter_class=_HelpFormatter,
+                       help="the hit rate of a request log (--request-log, or any JSONL with prompt and cached "
+                            "token counts) by round, hour and session, summed, never a mean of ratios")
+    hit_rate.add_args(h)
+    h.set_defaults(func=hit_rate.main)
     a = p.parse_args(argv)
     from .stderr_relay import masked_stderr
     with masked_stderr():  # what native libraries print is masked too (uniradix.redact)

@@ -54,10 +54,11 @@ class EngineRunner:
     handed over and not yet started, beyond the batch's free places."""
 
     def __init__(self, engine: Engine, metrics=None, session_timeout: float | None = None,
-                 log_requests: bool = False, log_interval: float | None = None) -> None:
+                 log_requests: bool = False, log_interval: float | None = None, request_log=None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.log_requests = log_requests
+        self.request_log = request_log  # request_log.RequestLog, or None
         self.activity = ActivityLog(engine, log_interval)
         self.sessions = Sessions(session_timeout)
         self.streams: dict[int, Stream] = {}
@@ -255,6 +256,8 @@ class EngineRunner:
                 m.finished(req)
             if self.log_requests:
                 log.info("%s", request_line(req, s.client_id))
+            if self.request_log is not None:
+                self.request_log.write(req, s.client_id)
 
     def _expire_sessions(self) -> None:
         for sid in self.sessions.expired():

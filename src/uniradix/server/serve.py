@@ -31,6 +31,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
     _configure_logging()  # before the engine: its start-up warnings are masked too
     try:
         config = from_args(ServerConfig, a)
+        if config.request_log:  # a path it cannot append to is a start-up error, not a traceback later
+            try:
+                open(config.request_log, "a", encoding="utf-8").close()
+            except OSError as e:
+                raise ValueError(f"--request-log {config.request_log}: {e.strerror or e}") from None
         budget = connection_budget(config.max_connections)
         threads = threads_from_args(a)  # before the model loads: it computes too
         logging.getLogger("uniradix.server").info("%s", threads)
@@ -66,7 +71,12 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
     budget = budget or connection_budget(config.max_connections)
     config = replace(config, max_connections=budget.max_connections)  # reported as in force
     metrics = ServerMetrics()
-    runner = EngineRunner(engine, metrics, config.session_timeout, config.log_requests, config.log_interval)
+    request_log = None
+    if config.request_log:
+        from .request_log import RequestLog
+        request_log = RequestLog(config.request_log)
+    runner = EngineRunner(engine, metrics, config.session_timeout, config.log_requests, config.log_interval,
+                          request_log)
     app = build_app(runner, config, metrics, model_name, engine_settings)
     runner.start()
     # on a signal the runner gets the graceful deadline: it aborts what is still running
@@ -95,6 +105,8 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
         if engine.storage is not None:
             _close_backend(engine.storage, runner.stop_deadline)
         sock.close()
+        if request_log is not None:
+            request_log.close()
     _say("uniradix serve: stopped")
     return 0 if runner.failure is None else 1
 

@@ -37,6 +37,9 @@ class ServerConfig(Settings):
                                             check=optional(number(above=0)))
     log_requests: bool = setting(False, "log one line per finished request: its id, how it ended, prompt, "
                                  "cached (by tier), computed and output tokens, TTFT, latency")
+    request_log: str | None = setting(None, "append one JSON line per finished request to this file (time, "
+                                      "rid, session, prompt and cached tokens by tier, TTFT, latency; no text): "
+                                      "read it with `uniradix hit-rate`", check=optional(text), metavar="PATH")
     log_interval: float | None = setting(10.0, "while requests run, log a line this often (seconds): running and "
                                          "waiting requests, new and cached prompt tokens, decode throughput, "
                                          "each component's pool in use", check=optional(number(above=0)))
