@@ -4,6 +4,7 @@ vLLM's /reset_prefix_cache, and /get_server_info telling the port actually bound
 the checkpoint actually served."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -104,3 +105,36 @@ def test_request_lines_and_the_busy_line():
         assert "running" in busy[0] and "waiting" in busy[0] and "tok/s" in busy[0] and "full " in busy[0], busy
     finally:
         assert s.stop() == 0, "".join(s.lines[-30:])
+
+
+def test_cache_tree_shows_the_tree(named):
+    """Spans chain (a node starts where its parent ends), every component's slot is named
+    with its tier, the depth limit holds, and a salted tenant's root is shown by a
+    digest, never by its salt."""
+    base = list(range(40, 90))
+    for tail in ([5, 6, 7], [8, 9, 10, 11]):
+        assert named.post("/generate", {"input_ids": base + tail, "sampling_params": {"max_new_tokens": 2}})[0] == 200
+    status, shape, _ = named.get("/cache/tree?depth=8")
+    assert status == 200, shape
+    assert shape["components"] and shape["nodes"] >= 1 and shape["depth"] == 8
+
+    def walk(node, parent_end, depth):
+        assert node["start"] == parent_end and node["tokens"] == node["end"] - node["start"] > 0, node
+        assert set(node["components"]) == set(shape["components"]) == set(node["locks"])
+        assert set(node["components"].values()) <= {"device", "host", "device+host", "absent"}
+        assert depth <= 8
+        return 1 + sum(walk(c, node["end"], depth + 1) for c in node["children"])
+
+    (root,) = [r for r in shape["roots"] if r["salt"] is None]
+    seen = sum(walk(c, 0, 1) for c in root["children"])
+    assert seen >= 1 and any(c["components"]["full"] != "absent" for c in root["children"])
+    status, flat, _ = named.get("/cache/tree?depth=0")
+    assert status == 200 and all(r["children"] == [] for r in flat["roots"])
+    assert sum(r["more_children"] for r in flat["roots"]) >= 1
+    named.post("/generate", {"input_ids": base, "cache_salt": "tenant", "sampling_params": {"max_new_tokens": 1}})
+    status, shape, _ = named.get("/cache/tree")
+    salted = [r["salt"] for r in shape["roots"] if r["salt"] is not None]
+    assert salted and "tenant" not in json.dumps(shape), shape     # a salt is shown by a digest only
+    for bad in ("depth=-1", "depth=x", "children=0", "depth=65"):
+        status, out, _ = named.get(f"/cache/tree?{bad}")
+        assert status == 400 and bad.split("=")[0] in out["error"]["message"], (bad, out)
