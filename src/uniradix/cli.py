@@ -203,6 +203,14 @@ def main(argv=None) -> int:
                             "token counts) by round, hour and session, summed, never a mean of ratios")
     hit_rate.add_args(h)
     h.set_defaults(func=hit_rate.main)
+    from .bench import http_multiturn
+    b = sub.add_parser("bench", formatter_class=_HelpFormatter, help="clients that measure a running server")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    m = bsub.add_parser("multiturn", formatter_class=_HelpFormatter,
+                        help="the multi-turn workload over HTTP against any SGLang- or OpenAI-compatible server: "
+                             "hit rate, TTFT and input throughput per round")
+    http_multiturn.add_args(m)
+    m.set_defaults(func=http_multiturn.main)
     a = p.parse_args(argv)
     from .stderr_relay import masked_stderr
     with masked_stderr():  # what native libraries print is masked too (uniradix.redact)
