@@ -124,7 +124,8 @@ def test_cache_salts_partition_reuse(server):
     assert cached(extra_key="tenant-a") == 0           # another partition than cache_salt="tenant-a"
     assert cached(extra_key="k", cache_salt="tenant-a") == 0
     assert cached(extra_key="k", cache_salt="tenant-a") > 0
-    assert cached(cache_salt="") > 0 or cached() > 0   # an empty salt is none, as SGLang reads it
+    cached()                                           # the prompt under no salt
+    assert cached(cache_salt="") > 0                   # an empty salt is none, as SGLang reads it
     status, out, _ = server.post("/v1/completions", {"model": "tiny-hybrid", "prompt": prompt, "max_tokens": 1,
                                                      "cache_salt": "tenant-c"})
     assert status == 200 and out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, out

@@ -16,6 +16,7 @@ server reports none, the hit rate says "not reported", never 0. `--log` writes o
 line per request (for `uniradix hit-rate`), `--plot` a PNG (matplotlib)."""
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
@@ -56,14 +57,18 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def _post_stream(base, path: str, body: dict, headers: dict, timeout: float):
-    """POST a streaming request; yields each server-sent event's data (parsed)."""
+def _connect(base: str, timeout: float):
+    """(a connection to the server at `base`, the path prefix its routes sit under)."""
     u = urllib.parse.urlsplit(base)
     conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-    c = conn_cls(u.hostname, u.port or (443 if u.scheme == "https" else 80), timeout=timeout)
+    return conn_cls(u.hostname, u.port or (443 if u.scheme == "https" else 80), timeout=timeout), u.path.rstrip("/")
+
+
+def _post_stream(base, path: str, body: dict, headers: dict, timeout: float):
+    """POST a streaming request; yields each server-sent event's data (parsed)."""
+    c, prefix = _connect(base, timeout)
     try:
-        c.request("POST", u.path.rstrip("/") + path, json.dumps(body).encode(),
-                  {"Content-Type": "application/json", **headers})
+        c.request("POST", prefix + path, json.dumps(body).encode(), {"Content-Type": "application/json", **headers})
         r = c.getresponse()
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {r.read()[:300].decode(errors='replace')}")
@@ -178,13 +183,12 @@ def run(a, out=None) -> list[dict]:
 
 
 def _close_session(a, sid: str) -> None:
-    u = urllib.parse.urlsplit(a.url)
-    c = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=a.timeout)
+    c, prefix = _connect(a.url, a.timeout)
     try:
         headers = {"Content-Type": "application/json"}
         if a.api_key:
             headers["Authorization"] = f"Bearer {a.api_key}"
-        c.request("POST", u.path.rstrip("/") + "/close_session", json.dumps({"session_id": sid}), headers)
+        c.request("POST", prefix + "/close_session", json.dumps({"session_id": sid}), headers)
         c.getresponse().read()
     finally:
         c.close()
@@ -261,18 +265,13 @@ def add_args(p) -> None:
     p.add_argument("--output-tokens", type=int, default=32, help="tokens per reply (greedy)")
     p.add_argument("--max-parallel", type=int, default=8, help="requests in flight at most")
     p.add_argument("--request-rate", type=float, default=0.0, help="new requests a second, Poisson (0: all at once)")
-    p.add_argument("--session-id", action=argparse_bool(), default=True,
+    p.add_argument("--session-id", action=argparse.BooleanOptionalAction, default=True,
                    help="send a session id per conversation (--no-session-id: none)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     p.add_argument("--log", default=None, help="append one JSON line per request here (for uniradix hit-rate)")
     p.add_argument("--plot", default=None, help="write a PNG of hit rate and TTFT per round here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def argparse_bool():
-    import argparse
-    return argparse.BooleanOptionalAction
 
 
 def main(a) -> int:

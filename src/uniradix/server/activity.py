@@ -9,18 +9,21 @@ from __future__ import annotations
 import logging
 import time
 
+from .request_log import record
+
 log = logging.getLogger("uniradix.server")
 
 
 def request_line(req, client_id: str | None = None) -> str:
     """One finished request: its id (the client's where it gave one, else the engine's),
-    how it ended, its tokens (cached ones split by tier), TTFT and latency."""
-    m = req.metrics
-    device = m.cached_tokens - m.host_tokens - m.storage_tokens
+    how it ended, its tokens (cached ones split by tier), TTFT and latency: the figures
+    of its --request-log record."""
+    r = record(req, client_id)
     ms = lambda v: "-" if v is None else f"{v * 1e3:.0f} ms"  # noqa: E731
-    line = (f"request {client_id or req.rid}: {req.status} ({req.finish_reason or '-'}), prompt {m.prompt_tokens} tokens, "
-            f"cached {m.cached_tokens} (device {device}, host {m.host_tokens}, storage {m.storage_tokens}), "
-            f"computed {m.computed_tokens}, output {m.output_tokens}, TTFT {ms(m.ttft)}, latency {ms(m.latency)}")
+    line = (f"request {r['rid']}: {r['status']} ({r['finish_reason'] or '-'}), prompt {r['prompt_tokens']} tokens, "
+            f"cached {r['cached_tokens']} (device {r['cached_device']}, host {r['cached_host']}, storage "
+            f"{r['cached_storage']}), computed {r['computed_tokens']}, output {r['output_tokens']}, "
+            f"TTFT {ms(r['ttft'])}, latency {ms(r['latency'])}")
     if req.error:
         line += f", error: {req.error}"
     return line

@@ -25,12 +25,7 @@ class TextOut:
         self.stopped = False
 
     def decode(self, ids) -> str:
-        if self.skip is not None:
-            try:
-                return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
-            except TypeError:  # the embedded byte tokenizer has no special tokens
-                self.skip = None
-        return self.tokenizer.decode(ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def _advance(self, final: bool) -> None:
         """Decode what the new ids add; an incomplete character waits for the next token,
