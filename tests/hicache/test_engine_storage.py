@@ -413,7 +413,10 @@ def test_a_buggy_backend_does_not_take_the_engine_down(tmp_path):
 @pytest.mark.parametrize("page", [1, 4, 16])
 def test_conversations_under_pressure_over_l3_stay_exact(tmp_path, name, page):
     """Six conversations on device pools that hold about two: turns come back from L3,
-    requests wait, are preempted and evicted, and every token stays exact."""
+    requests wait and are evicted, and every token stays exact. Whether one is also
+    preempted depends on how fast the store answers (a request still prefetching is not
+    running), so preemption is asserted where it is deterministic: the engine and host
+    tier suites."""
     eng = Engine(name, page_size=page, max_total_tokens=320, max_mamba_cache_size=24,
                  storage=FileBackend(str(tmp_path)), prefetch_threshold=page,
                  hicache_storage_prefetch_policy="wait_complete")
@@ -432,7 +435,7 @@ def test_conversations_under_pressure_over_l3_stay_exact(tmp_path, name, page):
     eng.close()
     s = eng.stats()
     assert from_store > 0 and s["errors"] == 0
-    assert s["preemptions"] > 0 and s["cache"]["components"]["full"]["evicted"] > 0
+    assert s["cache"]["components"]["full"]["evicted"] > 0
     check_flush(eng)
 
 
