@@ -203,6 +203,12 @@ def main(argv=None) -> int:
                             "token counts) by round, hour and session, summed, never a mean of ratios")
     hit_rate.add_args(h)
     h.set_defaults(func=hit_rate.main)
+    from .bench import simulate
+    sm = sub.add_parser("simulate", formatter_class=_HelpFormatter,
+                        help="replay a request log with token ids on the real scheduler and cache, nothing "
+                             "computed, for a grid of pool sizes, tiers, page sizes and eviction policies")
+    simulate.add_args(sm)
+    sm.set_defaults(func=simulate.main)
     from .bench import http_multiturn
     b = sub.add_parser("bench", formatter_class=_HelpFormatter, help="clients that measure a running server")
     bsub = b.add_subparsers(dest="bench", required=True)

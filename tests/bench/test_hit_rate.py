@@ -60,12 +60,14 @@ def test_the_server_log_agrees_with_the_responses(tmp_path, capsys):
                 cached += out["meta_info"]["cached_tokens"]
     finally:
         assert s.stop() == 0, "".join(s.lines[-30:])
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert lines[0]["event"] == "start" and lines[0]["settings"]["max_total_tokens"] == 4096
+    records = [r for r in lines if "event" not in r]
     assert len(records) == 6 and {r["rid"] for r in records} == {f"s{i}-{t}" for i in (1, 2) for t in range(3)}
     r = records[-1]
     assert r["session"] in ("s1", "s2") and r["status"] == "finished" and r["ttft"] > 0
     assert r["cached_device"] + r["cached_host"] + r["cached_storage"] == r["cached_tokens"]
-    assert "text" not in r and "prompt" not in r
+    assert "text" not in r and "prompt" not in r and "input_ids" not in r  # token ids only when asked
     assert main(["hit-rate", str(log), "--by", "session"]) == 0
     out = capsys.readouterr().out
     assert f"{cached:,} of {prompt:,} prompt tokens cached" in out and cached > 0, out

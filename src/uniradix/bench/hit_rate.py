@@ -38,6 +38,8 @@ def read(path: str) -> tuple[list[dict], int]:
             except ValueError:
                 skipped += 1
                 continue
+            if isinstance(rec, dict) and "event" in rec:
+                continue  # the server's start and close_session lines: not requests
             p, c = (_first(rec, PROMPT), _first(rec, CACHED)) if isinstance(rec, dict) else (None, None)
             if p is None or c is None or p < 0 or c < 0 or c > p:
                 skipped += 1

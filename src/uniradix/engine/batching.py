@@ -124,7 +124,7 @@ class Batching:
         self.counters["prefill_tokens"] += prefill
         self.counters["decode_tokens"] += n - prefill
         if _first_scoring_row(st, inp.start, inp.end) is not None:
-            _record_prompt_logprobs(st, inp, logits)
+            _record_prompt_logprobs(st, inp, logits, self._logprobs)
         st.computed += n
         if self.cache.windowed:
             self.cache.release_out_of_window(st, st.computed)
@@ -133,9 +133,9 @@ class Batching:
         row = logits[-1]
         if req.record_logits:
             req.logits.append(row.detach().to("cpu", copy=True))
-        tok = sample(row, req.sampling, st.rng)
+        tok = self._choose(st, row)
         if req.logprobs is not None:
-            req.output_logprobs.append(token_logprobs(row, tok, req.logprobs))
+            req.output_logprobs.append(self._logprobs(row, tok, req.logprobs))
         now = time.perf_counter()
         if req.metrics.first_token is None:
             req.metrics.first_token = now
@@ -156,6 +156,14 @@ class Batching:
         req.metrics.finished = now
         self.counters["finished"] += 1
         done.append(req)
+
+    def _choose(self, st: RequestState, row: torch.Tensor) -> int:
+        """The next token from its row of logits (a replay takes the logged one instead)."""
+        return sample(row, st.owner.sampling, st.rng)
+
+    def _logprobs(self, row: torch.Tensor, token: int, top: int):
+        """A token's logprob and the top alternatives (a replay has no values: None)."""
+        return token_logprobs(row, token, top)
 
     def _stop_string(self, req: Request) -> str | None:
         """The stop string the newest token completed, if any: it lies in the text of the
@@ -188,7 +196,7 @@ def _first_scoring_row(st: RequestState, s: int, e: int) -> int | None:
     return first if first < min(e, n - 1) else None
 
 
-def _record_prompt_logprobs(st: RequestState, inp, logits: torch.Tensor) -> None:
+def _record_prompt_logprobs(st: RequestState, inp, logits: torch.Tensor, score) -> None:
     """The prompt logprobs this chunk's rows give, in order, each once (a preempted
     request that computes them again adds nothing)."""
     req = st.owner
@@ -198,4 +206,4 @@ def _record_prompt_logprobs(st: RequestState, inp, logits: torch.Tensor) -> None
     row0 = inp.end - logits.shape[0]  # the position of the first row computed
     for q in range(max(row0, p - 1 + len(req.prompt_logprobs)), min(inp.end, len(ids) - 1)):
         if q + 1 - p == len(req.prompt_logprobs):
-            req.prompt_logprobs.append(token_logprobs(logits[q - row0], ids[q + 1], k))
+            req.prompt_logprobs.append(score(logits[q - row0], ids[q + 1], k))

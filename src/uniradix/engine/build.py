@@ -8,6 +8,8 @@ pools together (device pools, host mirrors, allocators' bookkeeping) must fit th
 available where they live."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..cache import UnifiedRadixCache
@@ -18,13 +20,16 @@ from ..tree import RadixTree
 
 
 def build_cache(model, cache: CacheConfig | None = None, host: HostTierConfig | None = None, *,
-                device="cpu", max_running: int = 16, **settings) -> tuple[UnifiedRadixCache, dict]:
+                device="cpu", max_running: int = 16, accounting_only: bool = False,
+                **settings) -> tuple[UnifiedRadixCache, dict]:
     """The cache for `model` (anything with `states()`: its layers grouped by spec) and
     its device pools by component name. `cache` / `host`: the settings (or `settings` by
     name: page_size, max_total_tokens, ..., enable_hierarchical_cache, hicache_ratio, ...).
     FULL holds --max-total-tokens, SWA that times the ratio, the recurrent state pool
     --max-mamba-cache-size slots (default 4 x max_running + 64); with the host tier, host
-    mirrors of every pool, --hicache-ratio times each or --hicache-size GB in all."""
+    mirrors of every pool, --hicache-ratio times each or --hicache-size GB in all.
+    `accounting_only`: pools that count handles and hold no tensors (what a simulator
+    replays on: every size and byte figure stays the real model's)."""
     cache, host = _configs(cache, host, settings)
     plans = plan_pools(model, cache, device=device, max_running=max_running)
     host_plans = {}
@@ -32,6 +37,9 @@ def build_cache(model, cache: CacheConfig | None = None, host: HostTierConfig | 
         flags = ("--hicache-ratio",) if host.hicache_size is None else ("--hicache-size",)
         sizes = host_sizes(plans, ratio=host.hicache_ratio, size_gb=host.hicache_size)
         host_plans = {name: plan.host_copy(sizes[name], flags) for name, plan in plans.items()}
+    if accounting_only:  # after the host sizes: --hicache-size prices the real tensors
+        plans = {name: replace(plan, accounting_only=True) for name, plan in plans.items()}
+        host_plans = {name: replace(plan, accounting_only=True) for name, plan in host_plans.items()}
     check_fits([*plans.values(), *host_plans.values()])
     pools = {name: plan.build() for name, plan in plans.items()}
     tree = RadixTree([spec.tree_component() for spec in model.states().specs], page_size=cache.page_size,
@@ -44,7 +52,7 @@ def build_cache(model, cache: CacheConfig | None = None, host: HostTierConfig | 
 
 
 def _configs(cache, host, settings) -> tuple[CacheConfig, HostTierConfig]:
-    from dataclasses import fields, replace
+    from dataclasses import fields
     names = {f.name for f in fields(CacheConfig)}
     mine = {k: v for k, v in settings.items() if k in names}
     theirs = {k: v for k, v in settings.items() if k not in names}

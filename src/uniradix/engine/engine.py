@@ -42,10 +42,13 @@ class Engine(Admission, Batching):
     `enable_hierarchical_cache`, `hicache_storage_prefetch_policy`, ...; see
     uniradix.config for each, its default and what it allows). `storage`: a hicache
     StorageBackend shared with other engines (L3), closed by its owner. `submit` queues
-    requests, `step` runs one scheduling step, `run` drives a list of requests to the end."""
+    requests, `step` runs one scheduling step, `run` drives a list of requests to the end.
+    `accounting_only`: pools that count and hold nothing, for a model that computes
+    nothing (engine.replay)."""
 
     def __init__(self, model: "PagedModel | HybridConfig | str" = "tiny-hybrid",
-                 config: EngineConfig | None = None, *, weights=None, storage=None, **settings) -> None:
+                 config: EngineConfig | None = None, *, weights=None, storage=None, accounting_only: bool = False,
+                 **settings) -> None:
         self.config = config = (config or EngineConfig()).with_(**settings) if settings else (config or EngineConfig())
         sched = config.scheduler
         self.device = _check_device(sched.device)
@@ -55,7 +58,8 @@ class Engine(Admission, Batching):
         self.use_cache = not config.cache.disable_radix_cache
         host = config.host if self.use_cache else replace(config.host, enable_hierarchical_cache=False)
         self.cache, self.pools = build_cache(self.model, config.cache, host, device=self.device,
-                                             max_running=sched.max_running_requests)
+                                             max_running=sched.max_running_requests,
+                                             accounting_only=accounting_only)
         self.hierarchical = self.cache.host is not None
         self.page_size = config.cache.page_size
         self.chunk = sched.chunked_prefill_size

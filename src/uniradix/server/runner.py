@@ -271,7 +271,10 @@ class EngineRunner:
             if s.req.session_id == sid and type(s.req.session_id) is type(sid):
                 s.req.session_id = None
         known = self.sessions.close(sid)
-        return self.engine.close_session(sid) or known
+        closed = self.engine.close_session(sid)
+        if self.request_log is not None and (closed or known):
+            self.request_log.event("close_session", session=sid)
+        return closed or known
 
     def _shutdown(self, eng: Engine, deadline: float | None = None) -> None:
         for s in list(self.streams.values()):

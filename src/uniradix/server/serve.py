@@ -74,7 +74,8 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
     request_log = None
     if config.request_log:
         from .request_log import RequestLog
-        request_log = RequestLog(config.request_log)
+        request_log = RequestLog(config.request_log, config.log_token_ids)
+        request_log.event("start", settings=engine_settings)
     runner = EngineRunner(engine, metrics, config.session_timeout, config.log_requests, config.log_interval,
                           request_log)
     app = build_app(runner, config, metrics, model_name, engine_settings)

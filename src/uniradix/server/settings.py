@@ -40,6 +40,8 @@ class ServerConfig(Settings):
     request_log: str | None = setting(None, "append one JSON line per finished request to this file (time, "
                                       "rid, session, prompt and cached tokens by tier, TTFT, latency; no text): "
                                       "read it with `uniradix hit-rate`", check=optional(text), metavar="PATH")
+    log_token_ids: bool = setting(False, "--request-log also records each request's prompt and output token "
+                                  "ids (and a digest of its cache salt), so `uniradix simulate` can replay it")
     log_interval: float | None = setting(10.0, "while requests run, log a line this often (seconds): running and "
                                          "waiting requests, new and cached prompt tokens, decode throughput, "
                                          "each component's pool in use", check=optional(number(above=0)))
@@ -65,6 +67,10 @@ class ServerConfig(Settings):
               "room, else the one sending its request body longest (answered 503), else the one whose "
               "client has read nothing longest, or, with every one holding a whole request and a client that "
               "reads, the new one is answered 503 and closed", check=optional(count()))
+
+    def check(self) -> None:
+        if self.log_token_ids and not self.request_log:
+            raise ValueError("--log-token-ids adds token ids to the --request-log lines: give --request-log PATH too")
 
 
 declare_plain_settings(ServerConfig)  # its names shown wherever text is masked (api_key: secret)
