@@ -25,26 +25,31 @@ def _first(rec: dict, names):
     return None
 
 
-def read(path: str) -> tuple[list[dict], int]:
-    """(records with prompt and cached counts, lines skipped: not JSON or without them)."""
-    out, skipped = [], 0
+def json_lines(path: str):
+    """Each non-empty line of a JSON-lines file ('-': standard input), parsed: a value,
+    or None for a line that is not JSON."""
     with (sys.stdin if path == "-" else open(path, encoding="utf-8")) as f:
         for line in f:
             line = line.strip()
             if not line:
                 continue
             try:
-                rec = json.loads(line)
+                yield json.loads(line)
             except ValueError:
-                skipped += 1
-                continue
-            if isinstance(rec, dict) and "event" in rec:
-                continue  # the server's start and close_session lines: not requests
-            p, c = (_first(rec, PROMPT), _first(rec, CACHED)) if isinstance(rec, dict) else (None, None)
-            if p is None or c is None or p < 0 or c < 0 or c > p:
-                skipped += 1
-                continue
-            out.append({**rec, "_prompt": p, "_cached": c})
+                yield None
+
+
+def read(path: str) -> tuple[list[dict], int]:
+    """(records with prompt and cached counts, lines skipped: not JSON or without them)."""
+    out, skipped = [], 0
+    for rec in json_lines(path):
+        if isinstance(rec, dict) and "event" in rec:
+            continue  # the server's start and close_session lines: not requests
+        p, c = (_first(rec, PROMPT), _first(rec, CACHED)) if isinstance(rec, dict) else (None, None)
+        if p is None or c is None or p < 0 or c < 0 or c > p:
+            skipped += 1
+            continue
+        out.append({**rec, "_prompt": p, "_cached": c})
     return out, skipped
 
 

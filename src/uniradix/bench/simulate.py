@@ -26,7 +26,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .hit_rate import TIERS
+from .hit_rate import TIERS, json_lines
 
 #: the grid's axes: flag, setting, what a value means
 AXES = (("page_size", "--page-size", "tokens per page"),
@@ -86,37 +86,28 @@ def read_log(path: str) -> Traffic:
     """The replayable requests of a log (finished ones with token ids), its closed
     sessions and the settings of its (first) server start."""
     rows, closes, settings, skipped, not_finished = [], [], {}, 0, 0
-    with (sys.stdin if path == "-" else open(path, encoding="utf-8")) as f:
-        for i, line in enumerate(f):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                skipped += 1
-                continue
-            if not isinstance(rec, dict):
-                skipped += 1
-                continue
-            ev = rec.get("event")
-            if ev == "start":
-                settings = settings or dict(rec.get("settings") or {})
-                continue
-            if ev == "close_session":
-                if _num(rec.get("time")) is not None:
-                    closes.append((rec["time"], rec.get("session")))
-                continue
-            if ev is not None:
-                continue
-            ids, out = rec.get("input_ids"), rec.get("output_ids")
-            if not (_ids(ids) and _ids(out)):
-                skipped += 1
-                continue
-            if rec.get("status", "finished") != "finished":
-                not_finished += 1  # failed or aborted: the server cached nothing of it
-                continue
-            rows.append((i, rec))
+    for i, rec in enumerate(json_lines(path)):
+        if not isinstance(rec, dict):  # not JSON, or not a record
+            skipped += 1
+            continue
+        ev = rec.get("event")
+        if ev == "start":
+            settings = settings or dict(rec.get("settings") or {})
+            continue
+        if ev == "close_session":
+            if _num(rec.get("time")) is not None:
+                closes.append((rec["time"], rec.get("session")))
+            continue
+        if ev is not None:
+            continue
+        ids, out = rec.get("input_ids"), rec.get("output_ids")
+        if not (_ids(ids) and _ids(out)):
+            skipped += 1
+            continue
+        if rec.get("status", "finished") != "finished":
+            not_finished += 1  # failed or aborted: the server cached nothing of it
+            continue
+        rows.append((i, rec))
     reqs = []
     timed = all(_num(r.get("arrival")) is not None or (_num(r.get("time")) is not None
                                                        and _num(r.get("latency")) is not None) for _, r in rows)
