@@ -236,8 +236,10 @@ def test_api_key_and_queue_limit():
     s = ServerProc("--api-key", "sekrit", "--max-running-requests", "1", "--max-waiting-requests", "1")
     try:
         assert s.get("/health")[0] == 200
-        for path in ("/metrics", "/get_server_info", "/v1/models"):
+        for path in ("/metrics", "/get_server_info", "/v1/models", "/dashboard/data"):
             assert s.get(path)[0] == 401, path
+        code, page, _ = s.get("/dashboard")  # the page carries no data: its script asks for the key
+        assert code == 200 and "API key" in page
         code, out, _ = s.post("/generate", GOOD, headers={"Authorization": "Bearer wrong"})
         assert code == 401
         auth = {"Authorization": "Bearer sekrit"}

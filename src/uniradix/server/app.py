@@ -14,7 +14,7 @@ import time
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -22,7 +22,7 @@ from ..cache.audit import AuditError
 from ..config import finite_number
 from ..engine import Request, SamplingParams
 from ..redact import redact, redact_value
-from . import routes_native, routes_openai, routes_tools
+from . import dashboard, routes_native, routes_openai, routes_tools
 from .connections import CLOSED_BY_SERVER
 from .jobs import Jobs
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -32,7 +32,9 @@ from .settings import ServerConfig
 
 log = logging.getLogger("uniradix.server")
 
-OPEN_ROUTES = ("/health",)
+#: routes open without the API key: liveness, and the dashboard's page, which carries no
+#: data (its script asks for the key to read /dashboard/data)
+OPEN_ROUTES = ("/health", "/dashboard")
 
 
 def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
@@ -222,9 +224,18 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
 
     @app.get("/metrics")
     async def metrics_route():
-        def snapshot():  # one moment of the scheduler thread: counters and gauges agree
-            return {"engine": engine.stats(), "output_tokens": runner.output_tokens, "sessions": len(runner.sessions)}
-        return Response(metrics.render(await runner.run(snapshot)), media_type=CONTENT_TYPE)
+        # one moment of the scheduler thread: counters and gauges agree
+        return Response(metrics.render(await runner.run(runner.snapshot)), media_type=CONTENT_TYPE)
+
+    @app.get("/dashboard")
+    async def dashboard_page():
+        return HTMLResponse(dashboard.page(), headers={"Cache-Control": "no-store"})
+
+    @app.get("/dashboard/data")
+    async def dashboard_data():
+        info = {"model": model_name, "version": _version(), "started": app.state.started}
+        return await runner.run(lambda: dashboard.dashboard_data(metrics.values(runner.snapshot()), runner.history,
+                                                                 engine, info))
 
     routes_native.add_routes(app, jobs, read_body)
     routes_openai.add_routes(app, jobs, read_body)

@@ -97,52 +97,90 @@ class ServerMetrics:
 
     def collect(self):
         """The engine's counters (a prometheus_client custom collector)."""
-        s = self._snapshot
-        if s is None:
-            return
-        st = s["engine"]
-        for key, (name, doc) in {**ENGINE_COUNTERS, **STORAGE_COUNTERS}.items():
-            yield _counter(name, doc, st.get(key, 0))
-        device = st["cached_tokens"] - st["host_tokens"] - st["storage_tokens"]
-        c = CounterMetricFamily("uniradix_cached_tokens", "prompt tokens reused, by the tier they came from",
-                                labels=["tier"])
-        for tier, v in (("device", device), ("host", st["host_tokens"]), ("storage", st["storage_tokens"])):
-            c.add_metric([tier], v)
-        yield c
-        yield _counter("output_tokens", "tokens sent to clients", s["output_tokens"])
-        yield GaugeMetricFamily("uniradix_running_requests", "requests running (prefetching from L3 included)",
-                                value=st["running"] + st["prefetching"])
-        yield GaugeMetricFamily("uniradix_waiting_requests", "requests queued for admission", value=st["waiting"])
-        yield GaugeMetricFamily("uniradix_storage_refused", "1 when L3 is refused to this server (its namespace "
-                                "holds other weights' witness: no reads, no writes)", value=st.get("storage_refused", 0))
-        yield GaugeMetricFamily("uniradix_storage_pending_writes", "L3 writes queued for the store now",
-                                value=st.get("storage_pending_writes", 0))
-        yield GaugeMetricFamily("uniradix_sessions_open", "sessions open", value=s["sessions"])
-        yield GaugeMetricFamily("uniradix_session_references", "sessions whose next turn the tree keeps "
-                                "referenced", value=st["cache"]["sessions"])
-        comps = st["cache"]["components"]
-        per = {
-            "evicted_pages": ("evicted", "pages (state slots) evicted from the device, per component", True),
-            "host_evicted_pages": ("host_evicted", "pages evicted from the host tier, per component", True),
-            "tombstones": ("tombstones", "nodes whose slot of this component is gone (tombstoned) now", False),
-            "cached_pages": ("size", "pages (state slots) the tree holds on the device", False),
-            "pool_pages": ("pool_size", "device pool size in pages (state slots)", False),
-            "pool_available_pages": ("pool_available", "device pool pages free (cached pages that could be "
-                                                       "evicted not counted)", False),
-        }
-        for name, (key, doc, is_counter) in per.items():
-            fam = (CounterMetricFamily if is_counter else GaugeMetricFamily)(f"uniradix_{name}", doc,
-                                                                            labels=["component"])
-            for comp, cs in comps.items():
-                if cs.get(key) is not None:
-                    fam.add_metric([comp], cs[key])
-            yield fam
-        host = st["cache"].get("host")
-        if host is not None:
-            yield _counter("host_loads", "load-backs from the host tier (L2)", host["loads"])
-            yield _counter("host_loaded_handles", "pages (state slots) loaded back from L2", host["loaded_handles"])
-            yield _counter("host_written_handles", "pages (state slots) written to L2",
-                           host["written_handles"] + host["written_back"])
+        if self._snapshot is not None:
+            yield from engine_families(self._snapshot)
+
+    def values(self, snapshot: dict) -> dict[str, float]:
+        """Every series of the engine's families for `snapshot` and of the latency
+        histograms (their sums and counts), keyed as /metrics writes them
+        (`uniradix_cached_tokens_total{tier="device"}`): what the dashboard shows is
+        what /metrics says, from the same derivation. Safe on any thread (render's
+        snapshot is not touched)."""
+        out = {}
+        histograms = (f for h in (self.ttft, self.itl, self.e2e) for f in h.collect())
+        for fam in (*engine_families(snapshot), *histograms):
+            for sample in fam.samples:
+                if sample.name.endswith(("_bucket", "_created")):
+                    continue
+                out[series_key(sample.name, sample.labels)] = float(sample.value)
+        return out
+
+
+def series_key(name: str, labels: dict) -> str:
+    """A series' name as the text exposition writes it: `name{label="value",...}`."""
+    if not labels:
+        return name
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+
+
+def engine_families(s: dict):
+    """The metric families of one snapshot ({"engine": Engine.stats(), "output_tokens",
+    "sessions"}, taken on the scheduler thread): a pure function of it, so that
+    /metrics and the dashboard say the same."""
+    st = s["engine"]
+    for key, (name, doc) in {**ENGINE_COUNTERS, **STORAGE_COUNTERS}.items():
+        yield _counter(name, doc, st.get(key, 0))
+    device = st["cached_tokens"] - st["host_tokens"] - st["storage_tokens"]
+    c = CounterMetricFamily("uniradix_cached_tokens", "prompt tokens reused, by the tier they came from",
+                            labels=["tier"])
+    for tier, v in (("device", device), ("host", st["host_tokens"]), ("storage", st["storage_tokens"])):
+        c.add_metric([tier], v)
+    yield c
+    yield _counter("output_tokens", "tokens sent to clients", s["output_tokens"])
+    yield GaugeMetricFamily("uniradix_running_requests", "requests running (prefetching from L3 included)",
+                            value=st["running"] + st["prefetching"])
+    yield GaugeMetricFamily("uniradix_waiting_requests", "requests queued for admission", value=st["waiting"])
+    yield GaugeMetricFamily("uniradix_storage_refused", "1 when L3 is refused to this server (its namespace "
+                            "holds other weights' witness: no reads, no writes)", value=st.get("storage_refused", 0))
+    yield GaugeMetricFamily("uniradix_storage_pending_writes", "L3 writes queued for the store now",
+                            value=st.get("storage_pending_writes", 0))
+    yield GaugeMetricFamily("uniradix_sessions_open", "sessions open", value=s["sessions"])
+    yield GaugeMetricFamily("uniradix_session_references", "sessions whose next turn the tree keeps "
+                            "referenced", value=st["cache"]["sessions"])
+    comps = st["cache"]["components"]
+    host = st["cache"].get("host")
+    for name, (key, doc, is_counter) in PER_COMPONENT.items():
+        if name in HOST_TIER_SERIES and host is None:
+            continue  # no host tier: no host pool to show
+        fam = (CounterMetricFamily if is_counter else GaugeMetricFamily)(f"uniradix_{name}", doc,
+                                                                        labels=["component"])
+        for comp, cs in comps.items():
+            if cs.get(key) is not None:
+                fam.add_metric([comp], cs[key])
+        yield fam
+    if host is not None:
+        yield _counter("host_loads", "load-backs from the host tier (L2)", host["loads"])
+        yield _counter("host_loaded_handles", "pages (state slots) loaded back from L2", host["loaded_handles"])
+        yield _counter("host_written_handles", "pages (state slots) written to L2",
+                       host["written_handles"] + host["written_back"])
+
+
+HOST_TIER_SERIES = ("host_cached_pages", "host_pool_pages", "host_pool_available_pages")
+
+#: per-component series: metric name -> (key in the cache's component stats, help, counter?)
+PER_COMPONENT = {
+    "evicted_pages": ("evicted", "pages (state slots) evicted from the device, per component", True),
+    "host_evicted_pages": ("host_evicted", "pages evicted from the host tier, per component", True),
+    "tombstones": ("tombstones", "nodes whose slot of this component is gone (tombstoned) now", False),
+    "cached_pages": ("size", "pages (state slots) the tree holds on the device", False),
+    "pool_pages": ("pool_size", "device pool size in pages (state slots)", False),
+    "pool_available_pages": ("pool_available", "device pool pages free (cached pages that could be "
+                                               "evicted not counted)", False),
+    "host_cached_pages": ("host_size", "pages (state slots) the tree holds on the host tier (L2)", False),
+    "host_pool_pages": ("host_pool_size", "host pool size in pages (state slots)", False),
+    "host_pool_available_pages": ("host_pool_available", "host pool pages free (cached pages that could be "
+                                                         "evicted not counted)", False),
+}
 
 
 def _counter(name: str, doc: str, value) -> CounterMetricFamily:

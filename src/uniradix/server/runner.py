@@ -15,6 +15,7 @@ from concurrent.futures import Future
 
 from ..engine import Engine, Request
 from .activity import ActivityLog, request_line
+from .dashboard import History
 from .sessions import Sessions
 
 log = logging.getLogger("uniradix.server")
@@ -60,6 +61,7 @@ class EngineRunner:
         self.log_requests = log_requests
         self.request_log = request_log  # request_log.RequestLog, or None
         self.activity = ActivityLog(engine, log_interval)
+        self.history = None if metrics is None else History(metrics)  # the dashboard's last minutes
         self.sessions = Sessions(session_timeout)
         self.streams: dict[int, Stream] = {}
         self._inbox: deque = deque()
@@ -161,12 +163,19 @@ class EngineRunner:
                     eng.step()
                     self._emit()
                 self.activity.tick()
+                if self.history is not None:
+                    self.history.tick(self.snapshot)
                 self._expire_sessions()
         except BaseException as e:  # a bug in the engine: every stream ends with it
             self.failure = e
             log.exception("the scheduler thread failed")
         finally:
             self._shutdown(eng, deadline)
+
+    def snapshot(self) -> dict:
+        """One moment of the engine for /metrics and the dashboard (scheduler thread):
+        its counters and gauges, the tokens sent, the sessions open."""
+        return {"engine": self.engine.stats(), "output_tokens": self.output_tokens, "sessions": len(self.sessions)}
 
     def _write_down_reserve(self, deadline: float) -> float:
         """Seconds before the graceful deadline at which running requests are aborted,
