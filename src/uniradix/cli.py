@@ -10,50 +10,7 @@ import logging
 import os
 import sys
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The model, cache, tier and scheduler flags, generated from uniradix.config."""
-    from .config import CacheConfig, ComputeSettings, HostTierConfig, ModelSettings, SchedulerConfig, StorageConfig, \
-        add_flags
-    from .model import PRESETS
-    add_flags(p, ModelSettings, "model", choices={"model_preset": sorted(PRESETS)})
-    add_flags(p, ComputeSettings, "compute")
-    add_flags(p, CacheConfig, "device cache (SGLang's flag names)")
-    add_flags(p, SchedulerConfig, "scheduler")
-    add_flags(p, HostTierConfig, "host tier (L2)")
-    add_flags(p, StorageConfig, "shared storage (L3)")
-
-
-def threads_from_args(a: argparse.Namespace) -> str:
-    """Apply --num-threads (else $OMP_NUM_THREADS, else one: uniradix.threads) before
-    anything computes; the start-up line that says it. ValueError on a bad value."""
-    from .config import ComputeSettings, from_args
-    from .threads import start_threads
-    return start_threads(from_args(ComputeSettings, a).num_threads)
-
-
-def engine_from_args(a: argparse.Namespace):
-    """An Engine from the flags (and its L3 backend, when one is asked for)."""
-    from .config import engine_config_from_args
-    from .engine import Engine
-    from .model import preset
-    config = engine_config_from_args(a)
-    path = a.model_path
-    if path is not None and (os.path.isdir(path) or path.endswith(".gguf")):
-        import torch
-
-        from .model.hf import load_checkpoint
-        model, weights = load_checkpoint(path, getattr(torch, a.dtype), a.quantization), None
-    else:  # the embedded model, seeded or with a safetensors file of weights
-        if a.quantization != "none":
-            raise ValueError(f"--quantization {a.quantization} applies to a checkpoint (--model-path DIR or "
-                             "model.gguf), not to the embedded model")
-        model, weights = preset(a.model_preset), path
-    storage = None
-    if config.storage.hicache_storage_backend:
-        from .hicache.backends import make_backend
-        storage = make_backend(config.storage.hicache_storage_backend, config.storage.backend_settings())
-    return Engine(model, config, weights=weights, storage=storage)
+from .engine.flags import add_engine_args, engine_from_args, threads_from_args
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:

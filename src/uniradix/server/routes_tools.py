@@ -1,7 +1,6 @@
 """The small routes clients of SGLang and vLLM expect beside generation: `/tokenize` and
-`/detokenize` in both servers' shapes, `/version`, and vLLM's `/reset_prefix_cache`
-(the cache flush of app.py under vLLM's name); and `/cache/tree`, the tree's shape for
-an operator to look at (uniradix.tree.shape)."""
+`/detokenize` in both servers' shapes, and `/version` (vLLM's `/reset_prefix_cache` is
+the cache flush, routes_admin.py's)."""
 from __future__ import annotations
 
 from fastapi import Request as HTTPRequest
@@ -17,19 +16,6 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 
 def add_routes(app, jobs, read_body, check_model, version: str) -> None:
     tokenizer = jobs.tokenizer
-
-    @app.get("/cache/tree")
-    async def cache_tree(depth: str = "4", children: str = "32"):
-        """The tree's shape, read between two steps: `depth` levels below each root (0 to
-        64), at most `children` children a node (1 to 1024), the longest spans first."""
-        from ..tree.shape import tree_shape
-        lim = {}
-        for name, v, hi in (("depth", depth, 64), ("children", children, 1024)):
-            want(v.isdigit() and int(v) <= hi and (int(v) >= 1 or name == "depth"), name,
-                 f"an int in [{0 if name == 'depth' else 1}, {hi}]", v)
-            lim[name] = int(v)
-        tree = jobs.engine.cache.tree
-        return await jobs.runner.run(lambda: tree_shape(tree, lim["depth"], lim["children"]))
 
     @app.get("/version")
     async def version_route():

@@ -23,7 +23,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from ..cli import engine_from_args, threads_from_args
+    from ..engine.flags import engine_from_args, threads_from_args
     from ..config import from_args
     from ..redact import redact
     from .connections import connection_budget

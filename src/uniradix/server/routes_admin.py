@@ -1,0 +1,122 @@
+"""The admin routes: liveness (`/health`, `/health_generate`), sessions
+(`/open_session`, `/close_session`), the cache flush (`/flush_cache`, and vLLM's
+`/reset_prefix_cache`), what is served (`/get_server_info`, `/get_model_info`) and the
+handle audit (`/audit`)."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import PlainTextResponse, Response
+
+from ..cache.audit import AuditError
+from ..config import finite_number
+from ..engine import Request, SamplingParams
+from ..redact import redact_value
+from .protocol import BadRequest, Job, want
+
+log = logging.getLogger("uniradix.server")
+
+
+def add_routes(app, jobs, read_body, engine_settings: dict, version: str) -> None:
+    from .app import error
+    runner, engine = jobs.runner, jobs.engine
+    config, model_name = app.state.config, app.state.model_name
+
+    @app.get("/health")
+    async def health():
+        if runner.failure is not None or not runner.thread.is_alive():
+            return error(503, "the scheduler thread is not running")
+        return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate():
+        req = Request(input_ids=[1 % engine.model.vocab_size], sampling=SamplingParams(max_new_tokens=1))
+        job = Job(req)
+        try:
+            streams = await jobs.start([job])
+        except BadRequest as e:
+            return error(503, f"cannot generate: {e.message}")
+        await jobs.finish([job], streams)
+        if req.status != "finished":
+            return error(503, f"generation failed: {req.error}")
+        return Response(status_code=200)
+
+    @app.post("/open_session")
+    async def open_session(request: HTTPRequest):
+        body = await read_body(request, empty_ok=True)
+        want(isinstance(body, dict), "the request body", "a JSON object", body)
+        timeout = body.get("timeout")
+        want(timeout is None or (finite_number(timeout) and timeout > 0), "timeout", "a finite number > 0", timeout)
+        sid = body.get("session_id")
+        want(sid is None or (isinstance(sid, str) and sid) or (isinstance(sid, int) and not isinstance(sid, bool)),
+             "session_id", "a non-empty string or an int", sid)
+        return await runner.run(lambda: runner.sessions.open(sid, timeout))
+
+    @app.post("/close_session")
+    async def close_session(request: HTTPRequest):
+        body = await read_body(request)
+        want(isinstance(body, dict), "the request body", "a JSON object", body)
+        sid = body.get("session_id")
+        want((isinstance(sid, str) and sid) or (isinstance(sid, int) and not isinstance(sid, bool)), "session_id",
+             "a non-empty string or an int", sid)
+        return {"success": True, "closed": await runner.run(lambda: runner.close_session(sid))}
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/reset_prefix_cache")  # vLLM's name for it
+    async def flush_cache(force: bool = False):
+        """Empty the device and host tiers. Whatever the write policy, what the store
+        lacks of them is written down first (write_back's host-only data included), and
+        it is in the store when this answers, within the storage tier's io_timeout (the
+        store itself is shared: never flushed from here). A write-down the store did not
+        take keeps the tiers (503: nothing is lost) unless `?force=true`."""
+        def flush():
+            if engine.running or engine.waiting or engine.prefetching:
+                return "busy"
+            storage = engine.storage
+            if storage is not None and not force:
+                if not storage.write_down():
+                    return "unwritten"
+                return "ok" if engine.cache.flush(write_down=False) else "busy"
+            ok = engine.cache.flush()
+            engine.flush_writes()
+            return "ok" if ok else "busy"
+        outcome = await runner.run(flush)
+        if outcome == "ok":
+            return PlainTextResponse("Cache flushed.\n")
+        if outcome == "unwritten":
+            log.warning("/flush_cache refused: the write-down to L3 failed or was cut short")
+            return error(503, "the cache was not flushed: writing it down to L3 failed or took longer than "
+                              "io_timeout (see uniradix_storage_errors_total), and flushing would lose what only "
+                              "the device and host tiers hold; retry, or POST /flush_cache?force=true to drop it",
+                         {"Retry-After": "1"})
+        return error(400, "cannot flush the cache while requests are running; retry when idle")
+
+    @app.get("/get_server_info")
+    async def server_info():
+        # every name here is a declared setting (its secrets hidden by as_dict): only texts are masked
+        shown = {"version": version, **engine_settings, **config.as_dict(), "port": app.state.port,
+                 "model_name": model_name}
+        return {k: redact_value("", v) for k, v in shown.items()}
+
+    @app.get("/get_model_info")
+    async def model_info():
+        m = engine.model
+        layers = {spec.name: len(ls) for spec, ls in m.states().groups}
+        return {"model_path": model_name, "model_type": m.name, "is_generation": True,
+                "vocab_size": m.vocab_size, "context_length": engine.context_length,
+                "eos_token_ids": list(jobs.eos()), "layers": layers,
+                "has_chat_template": bool(getattr(m.tokenizer, "chat_template", None))}
+
+    @app.get("/audit")
+    async def audit():
+        """Every cache handle owned exactly once (uniradix.cache.audit); `settled`: and no
+        lock left, checked only when nothing is running."""
+        def check():
+            idle = not (engine.running or engine.waiting or engine.prefetching)
+            engine.audit(settled=idle)
+            return {"ok": True, "settled": idle}
+        try:
+            return await runner.run(check)
+        except AuditError as e:
+            return error(500, f"audit failed: {e}")

@@ -1,0 +1,42 @@
+"""What an operator looks at: `/metrics` (Prometheus), `/dashboard` and its data, and
+`/cache/tree` (the tree's shape). Each reads the engine on the scheduler thread, between
+two steps."""
+from __future__ import annotations
+
+from fastapi.responses import HTMLResponse, Response
+
+from . import dashboard
+from .metrics import CONTENT_TYPE
+from .protocol import want
+
+
+def add_routes(app, jobs, metrics, version: str) -> None:
+    runner, engine, model_name = jobs.runner, jobs.engine, app.state.model_name
+
+    @app.get("/metrics")
+    async def metrics_route():
+        # one moment of the scheduler thread: counters and gauges agree
+        return Response(metrics.render(await runner.run(runner.snapshot)), media_type=CONTENT_TYPE)
+
+    @app.get("/dashboard")
+    async def dashboard_page():
+        return HTMLResponse(dashboard.page(), headers={"Cache-Control": "no-store"})
+
+    @app.get("/dashboard/data")
+    async def dashboard_data():
+        info = {"model": model_name, "version": version, "started": app.state.started}
+        return await runner.run(lambda: dashboard.dashboard_data(metrics.values(runner.snapshot()), runner.history,
+                                                                 engine, info))
+
+    @app.get("/cache/tree")
+    async def cache_tree(depth: str = "4", children: str = "32"):
+        """The tree's shape, read between two steps: `depth` levels below each root (0 to
+        64), at most `children` children a node (1 to 1024), the longest spans first."""
+        from ..tree.shape import tree_shape
+        lim = {}
+        for name, v, hi in (("depth", depth, 64), ("children", children, 1024)):
+            want(v.isdigit() and int(v) <= hi and (int(v) >= 1 or name == "depth"), name,
+                 f"an int in [{0 if name == 'depth' else 1}, {hi}]", v)
+            lim[name] = int(v)
+        tree = engine.cache.tree
+        return await runner.run(lambda: tree_shape(tree, lim["depth"], lim["children"]))
