@@ -216,7 +216,8 @@ class StorageConfig(Settings):
               "prefetch_threshold (tokens beyond the device hit worth a load, default 256), "
               "prefetch_timeout_base / _per_ki_token / _max (seconds, default 1 / 0.25 / 3), "
               "io_timeout (seconds, default 30: the longest wait for one read or a flush), "
-              "model_fingerprint (the model's name in the store), auth_secret (MAC key of the objects)",
+              "model_fingerprint (the model's name in the store), auth_secret (MAC key of the objects), "
+              "announce_interval (seconds between a server's announcements in its namespace, default 5)",
         check=optional(text))
     hicache_storage_prefetch_policy: str = setting("best_effort", "how long a request waits for its L3 read",
                                                    choices=PREFETCH_POLICIES)
@@ -236,6 +237,9 @@ class StorageConfig(Settings):
                                             extra=True)
     auth_secret: str | None = setting(None, "key of the objects' MAC (default: $UNIRADIX_L3_SECRET)",
                                       check=optional(text), extra=True, secret=True)
+    announce_interval: float = setting(5.0, "seconds between two announcements of a server in its L3 namespace "
+                                            "(other instances count it gone after 6 missed)",
+                                       check=number(above=0), extra=True)
     rank: int = setting(0, "tensor-parallel rank (part of the namespace)", check=count(0), flag=False)
 
     def as_dict(self) -> dict:

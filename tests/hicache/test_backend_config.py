@@ -196,7 +196,7 @@ def test_dynamic_backend_built():
 def test_tier_keys_never_reach_the_backend(tmp_path):
     assert set(TIER_KEYS) == {"prefetch_threshold", "prefetch_timeout_base",
                               "prefetch_timeout_per_ki_token", "prefetch_timeout_max", "io_timeout",
-                              "model_fingerprint", "auth_secret"}
+                              "model_fingerprint", "auth_secret", "announce_interval"}
     tier = {"prefetch_threshold": 64, "prefetch_timeout_base": 1.0, "prefetch_timeout_per_ki_token": 0.5,
             "prefetch_timeout_max": 3, "io_timeout": 5, "model_fingerprint": "abc123", "auth_secret": "s3cret"}
     b = make_backend("file", json.dumps({"path": str(tmp_path / "l3"), **tier}))

@@ -211,8 +211,27 @@ def test_values_are_checked_before_any_write(fb):
 
 def test_start_up_warns_that_a_local_directory_is_not_shared(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="uniradix.hicache"):
-        FileBackend(str(tmp_path / "x"))
-    assert "not shared between machines" in caplog.text
+        fb = FileBackend(str(tmp_path / "x"))
+    assert fb.fstype != "unknown" and fb.mount != "?"
+    if fb.shared() is False:  # this machine's /tmp: ext4, tmpfs, overlay...
+        assert "node-local filesystem" in caplog.text and fb.fstype in caplog.text
+        assert fb.path in fb.sharing_hint()
+    else:
+        assert "not shared between machines" in caplog.text or fb.shared()
+
+
+def test_the_filesystem_of_a_path_is_its_longest_mount(tmp_path):
+    from uniradix.hicache.backends.file import filesystem_of
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/vda / ext4 rw 0 0\n"
+                      "server:/export /mnt/shared nfs4 rw 0 0\n"
+                      "tmpfs /mnt/shared/scratch tmpfs rw 0 0\n"
+                      "host:/x /mnt/with\\040space cifs rw 0 0\n")
+    assert filesystem_of("/mnt/shared/uniradix", str(mounts)) == ("nfs4", "/mnt/shared")
+    assert filesystem_of("/mnt/shared/scratch/a", str(mounts)) == ("tmpfs", "/mnt/shared/scratch")
+    assert filesystem_of("/mnt/sharedx", str(mounts)) == ("ext4", "/")   # a prefix is not a mount above it
+    assert filesystem_of("/mnt/with space/y", str(mounts)) == ("cifs", "/mnt/with space")
+    assert filesystem_of("/x", str(tmp_path / "absent")) == ("unknown", "?")
 
 
 def test_factory_and_extra_config(tmp_path):

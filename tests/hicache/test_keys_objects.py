@@ -160,6 +160,32 @@ def test_format_1_objects_stay_readable_without_a_secret():
     assert "not keyed" in _bad(old, secret=b"s", kind="unauthenticated")
 
 
+def _v2(key, payload, seed, secret=None):
+    """An object as format 2 wrote it (no writer)."""
+    k = key.encode()
+    head = objects._HEAD_V2.pack(b"URXO", 2, objects.KEYED if secret else 0, len(k), len(payload),
+                                 objects.namespace_digest(seed), bytes(32))[:objects._HEAD_V2.size - 32]
+    return head + objects._check(head, k, payload, secret) + k + payload
+
+
+def test_the_writer_travels_under_the_check_and_format_2_stays_readable():
+    me = bytes(range(16))
+    for secret in (None, b"s3"):
+        obj = pack_object(KEY, b"page", NS.seed(), secret, writer=me)
+        assert objects.unpack_with_writer(obj, KEY, NS.seed(), secret) == (b"page", me)
+        assert objects.unpack_with_writer(pack_object(KEY, b"page", NS.seed(), secret), KEY, NS.seed(),
+                                          secret) == (b"page", None)        # no writer given: unknown
+        old = _v2(KEY, b"old page", NS.seed(), secret)
+        assert objects.unpack_with_writer(old, KEY, NS.seed(), secret) == (b"old page", None)
+        # another writer's id in place of this one's breaks the check (keyed: the MAC)
+        i = objects._CHECKED - 16
+        forged = obj[:i] + bytes(16 - 1) + b"\x01" + obj[objects._CHECKED:]
+        with pytest.raises(CorruptObject):
+            unpack_object(forged, KEY, NS.seed(), secret)
+    with pytest.raises(ValueError):
+        pack_object(KEY, b"page", NS.seed(), writer=b"short")
+
+
 SECRET = b"correct horse battery staple"
 PAYLOAD = b"the real page bytes" * 10
 EVIL = b"attacker's page bytes" * 10
@@ -180,8 +206,8 @@ def _flags_cleared(obj: bytes) -> bytes:
 
 def _recomputed(obj: bytes, payload: bytes, key=KEY) -> bytes:
     """`obj` with its payload replaced and the check recomputed as anyone can: unkeyed."""
-    magic, version, flags, klen, _, ns, _ = objects._HEAD.unpack_from(obj)
-    head = objects._HEAD.pack(magic, version, flags, klen, len(payload), ns, bytes(32))[:objects._CHECKED]
+    magic, version, flags, klen, _, ns, writer, _ = objects._HEAD.unpack_from(obj)
+    head = objects._HEAD.pack(magic, version, flags, klen, len(payload), ns, writer, bytes(32))[:objects._CHECKED]
     return head + objects._check(head, key.encode(), payload, None) + key.encode() + payload
 
 

@@ -14,7 +14,8 @@ class RequestState:
     - `prefix_len`: tokens [0, prefix_len) belong to the tree (pinned by `receipt`); the
       pages past it are the request's own.
     - `reused`: tokens it resumed from when it started (from any tier), `host_tokens` of
-      them loaded from the host tier and `storage_tokens` from L3.
+      them loaded from the host tier and `storage_tokens` from L3, `cross_instance_tokens`
+      of those from L3 objects another instance wrote.
     - `junction`: where its tokens stopped matching the cached path; `resume_points`:
       further positions (the prompt's end) where later requests should be able to
       resume. The window before each is kept, and a checkpoint captured there.
@@ -30,7 +31,7 @@ class RequestState:
     (cache_unfinished), so they resume there instead of computing it again."""
 
     __slots__ = ("tokens", "owner", "salt", "priority", "prompt_len", "rng", "key", "computed", "prefix_len",
-                 "reused", "host_tokens", "storage_tokens", "junction", "resume_points", "pages", "receipt", "node",
+                 "reused", "host_tokens", "storage_tokens", "cross_instance_tokens", "junction", "resume_points", "pages", "receipt", "node",
                  "state_slot", "checkpoints", "rolling", "window_freed", "staged", "held", "order", "share_at")
 
     def __init__(self, tokens=None, *, salt=None, priority=None, owner=None) -> None:
@@ -47,7 +48,7 @@ class RequestState:
         """Hold nothing of the cache (before admission, or back in the queue)."""
         self.key = b""
         self.computed = self.prefix_len = self.reused = self.junction = 0
-        self.host_tokens = self.storage_tokens = 0
+        self.host_tokens = self.storage_tokens = self.cross_instance_tokens = 0
         self.resume_points: list[int] = []
         self.pages: dict = {}
         self.receipt = None

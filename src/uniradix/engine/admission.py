@@ -160,6 +160,7 @@ class Admission:
         if req.status in ("waiting", "prefetching"):  # first admission, not a preempted one
             m = req.metrics
             m.cached_tokens, m.host_tokens, m.storage_tokens = b, st.host_tokens, b - st.prefix_len
+            m.cross_instance_tokens = st.cross_instance_tokens
             self.counters["host_tokens"] += st.host_tokens
             self.counters["cached_tokens"] += b
             self.counters["prompt_tokens"] += len(st.tokens)

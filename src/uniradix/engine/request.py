@@ -124,7 +124,8 @@ class SamplingParams:
 class RequestMetrics:
     """prompt_tokens: the prompt's length. cached_tokens: prompt tokens reused from the
     cache at admission, `host_tokens` of them loaded from the host tier (L2) and
-    `storage_tokens` from L3. computed_tokens: tokens run through prefill (more than
+    `storage_tokens` from L3, `cross_instance_tokens` of those from L3 objects another
+    instance wrote (a fleet's shared reuse). computed_tokens: tokens run through prefill (more than
     prompt - cached only when the request was preempted and resumed). Times are seconds
     from `time.perf_counter`."""
 
@@ -132,6 +133,7 @@ class RequestMetrics:
     cached_tokens: int = 0
     host_tokens: int = 0
     storage_tokens: int = 0
+    cross_instance_tokens: int = 0
     computed_tokens: int = 0
     output_tokens: int = 0
     preemptions: int = 0

@@ -24,9 +24,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import uuid
 from concurrent.futures import FIRST_COMPLETED, wait
 from dataclasses import replace
 
+from .instances import ALONE_S, Instances
 from .io_threads import DaemonThreads
 from .keys import StorageNamespace
 from .log_limit import LogLimiter
@@ -94,8 +96,12 @@ class StorageTier:
         else:
             ns = StorageNamespace.for_model(model, cache.page_size, settings.rank, weights=weights)
         secret = resolve_secret(settings.auth_secret)
+        self.namespace, self.secret = ns, secret
         self.witness = None if witness is None else Witness(backend, ns, witness, secret)
-        self.store = L3Store(cache, backend, bound_namespace(ns, witness, secret), secret)
+        # this instance, as the objects it writes and its announcement name it
+        self.instance_id = uuid.uuid4().bytes
+        self.store = L3Store(cache, backend, bound_namespace(ns, witness, secret), secret, writer=self.instance_id)
+        self.instances = None  # instances.Instances, once announce() starts it
         self.io_timeout = settings.io_timeout
         self._warn = LogLimiter(log, "L3")
         self.write_back = write_policy == "write_back"
@@ -108,12 +114,27 @@ class StorageTier:
         self.stuck: list = []  # reads abandoned while still running in the store
         self._idle = False  # the last step had nothing but prefetches to wait for (wait())
         self._reads = self._writes = None  # I/O threads, started when first needed
-        self.counters = dict(storage_tokens=0, storage_errors=0, storage_prefetches=0,
-                             storage_prefetch_abandoned=0, storage_writes_dropped=0)
+        self.counters = dict(storage_tokens=0, storage_cross_instance_tokens=0, storage_errors=0,
+                             storage_prefetches=0, storage_prefetch_abandoned=0, storage_writes_dropped=0)
 
     @property
     def backend(self):
         return self.store.backend
+
+    def announce(self, **info) -> "Instances":
+        """Announce this instance in its namespace from now on, and watch for the others
+        (instances.py); `info` joins its record. A server calls it; an engine used as a
+        library, or a replay, announces nothing."""
+        if self.instances is None:
+            hint = getattr(self.backend, "sharing_hint", lambda: None)()
+            beat = self.settings.announce_interval
+            self.instances = Instances(self.backend, self.namespace, self.instance_id, self.secret,
+                                       self.witness, info, beat_s=beat, stale_s=6 * beat, alone_hint=hint,
+                                       alone_s=max(ALONE_S, 12 * beat))
+            self.instances.start()
+        else:
+            self.instances.describe(**info)
+        return self.instances
 
     # ------------------------------------------------------------------ reads
     @property
@@ -213,6 +234,8 @@ class StorageTier:
             self.store.apply(got)
         cache.resumed_from(state, got.b)
         self.counters["storage_tokens"] += got.b - b
+        state.cross_instance_tokens = got.cross_instance
+        self.counters["storage_cross_instance_tokens"] += got.cross_instance
         return got.b
 
     def drop(self, state) -> None:
@@ -378,11 +401,14 @@ class StorageTier:
                 threads.shutdown()
         self._reads = self._writes = None
         self.stuck = []
+        if self.instances is not None:
+            self.instances.close(min(2.0, self.io_timeout))
         self._warn.flush()
         self.store.close()
 
     #: what stats() reports, for an engine without a storage tier: all zero
-    IDLE = dict(storage_tokens=0, storage_errors=0, storage_prefetches=0, storage_prefetch_abandoned=0,
+    IDLE = dict(storage_tokens=0, storage_cross_instance_tokens=0, storage_instances_seen=0, storage_errors=0,
+                storage_prefetches=0, storage_prefetch_abandoned=0,
                 storage_writes_dropped=0, storage_loads=0, storage_failed_loads=0, storage_saved_objects=0,
                 storage_pending_writes=0, storage_read_bytes=0, storage_written_bytes=0, storage_corrupt_objects=0,
                 storage_witness_mismatch=0, storage_refused=0, storage_lost_objects=0)
@@ -405,7 +431,10 @@ class StorageTier:
         w = self.witness
         c["storage_witness_mismatch"] = 0 if w is None else w.mismatches
         c["storage_refused"] = int(self.refused)
+        c["storage_instances_seen"] = 0 if self.instances is None else len(self.instances.others())
         if w is not None:
             storage["witness"] = dict(state=w.state, stored_as=w.key, mine=w.mine, theirs=w.theirs)  # "key" would read as a secret
+        storage["instances"] = ({"this_instance": self.instance_id.hex()} if self.instances is None
+                                else self.instances.stats())
         c["storage"] = storage
         return c

@@ -8,11 +8,17 @@ who means harm (anyone can recompute it). With a secret it is a MAC keyed by the
 secret, and a reader with a secret accepts only objects keyed with that same secret:
 whoever can write to the store but lacks the secret cannot make a reader use data.
 
-Format 2 (written now): magic, version 2, flags (bit 0: keyed), key length, payload
-length, namespace digest (16), check (32) = BLAKE2b-256 over the header before the
-check, the key and the payload; keyed with a key derived from the secret when flag 0
-is set. Format 1 (read only, unkeyed): magic, version 1, key length, payload length,
-namespace digest, BLAKE2b-128 of the payload."""
+The header also names the instance that wrote the object (16 bytes: the writing
+storage tier's id, zeros when unknown), under the check like the rest, so that a reader
+can tell a hit on what another server computed from a hit on its own (the fleet's
+cross-instance reuse).
+
+Format 3 (written now): magic, version 3, flags (bit 0: keyed), key length, payload
+length, namespace digest (16), writer (16), check (32) = BLAKE2b-256 over the header
+before the check, the key and the payload; keyed with a key derived from the secret
+when flag 0 is set. Format 2 (read only): format 3 without the writer. Format 1 (read
+only, unkeyed): magic, version 1, key length, payload length, namespace digest,
+BLAKE2b-128 of the payload."""
 from __future__ import annotations
 
 import functools
@@ -24,11 +30,15 @@ import struct
 from ..config import L3_SECRET_ENV as SECRET_ENV
 
 MAGIC = b"URXO"
-VERSION = 2
+VERSION = 3
 KEYED = 1  # flags bit: the check is a MAC keyed by a secret
-# magic, version, flags, key length, payload length, namespace digest (16), check (32)
-_HEAD = struct.Struct("<4sHHHQ16s32s")
+#: the writer of an object whose writer is not known (format 2 and 1, or not given)
+NO_WRITER = bytes(16)
+# magic, version, flags, key length, payload length, namespace digest (16), writer (16), check (32)
+_HEAD = struct.Struct("<4sHHHQ16s16s32s")
 _CHECKED = _HEAD.size - 32  # the header bytes the check covers
+# format 2: format 3 without the writer
+_HEAD_V2 = struct.Struct("<4sHHHQ16s32s")
 # format 1: magic, version, key length, payload length, namespace digest (16), payload checksum (16)
 _HEAD_V1 = struct.Struct("<4sHHQ16s16s")
 
@@ -89,16 +99,20 @@ _MAX_KEY = 64 + 1 + 32
 def object_nbytes_at_most(payload_nbytes: int) -> int:
     """The largest stored object with a payload of `payload_nbytes` (any key, any format):
     a reader's bound on what it reads (StorageBackend.expect_values_up_to)."""
-    return max(_HEAD.size, _HEAD_V1.size) + _MAX_KEY + payload_nbytes
+    return max(_HEAD.size, _HEAD_V2.size, _HEAD_V1.size) + _MAX_KEY + payload_nbytes
 
 
-def pack_object(key: str, payload: bytes, namespace: bytes, secret: bytes | None = None) -> bytes:
+def pack_object(key: str, payload: bytes, namespace: bytes, secret: bytes | None = None,
+                writer: bytes = NO_WRITER) -> bytes:
     """Header + key + payload. `namespace` is StorageNamespace.seed(); `secret` (bytes,
-    see resolve_secret) makes the check a MAC only holders of the secret can write."""
+    see resolve_secret) makes the check a MAC only holders of the secret can write;
+    `writer`: the writing instance's 16-byte id."""
     secret = _check_secret(secret)
+    if not isinstance(writer, bytes) or len(writer) != 16:
+        raise ValueError(f"a writer id is 16 bytes, got {writer!r:.40}")
     k = key.encode()
     head = _HEAD.pack(MAGIC, VERSION, KEYED if secret else 0, len(k), len(payload),
-                      namespace_digest(namespace), bytes(32))[:_CHECKED]
+                      namespace_digest(namespace), writer, bytes(32))[:_CHECKED]
     return head + _check(head, k, payload, secret) + k + payload
 
 
@@ -106,6 +120,13 @@ def unpack_object(data: bytes | None, key: str, namespace: bytes, secret: bytes 
     """The payload, after checking everything the header says; CorruptObject otherwise.
     With `secret`, only objects keyed with it are accepted; without one, a keyed object
     is refused too (this reader cannot tell it from a forgery)."""
+    return unpack_with_writer(data, key, namespace, secret)[0]
+
+
+def unpack_with_writer(data: bytes | None, key: str, namespace: bytes,
+                       secret: bytes | None = None) -> tuple[bytes, bytes | None]:
+    """unpack_object's payload and the id of the instance that wrote it (None where the
+    object does not say: format 1 and 2, or written without one)."""
     secret = _check_secret(secret)
     if data is None:
         raise CorruptObject(key, ABSENT, ABSENT)
@@ -115,26 +136,30 @@ def unpack_object(data: bytes | None, key: str, namespace: bytes, secret: bytes 
     if magic != MAGIC:
         raise CorruptObject(key, "not a uniradix object")
     if version == 1:
-        return _unpack_v1(data, key, namespace, secret)
-    if version != VERSION:
-        raise CorruptObject(key, f"format version {version}, this build reads 1 and {VERSION}")
-    if len(data) < _HEAD.size:
+        return _unpack_v1(data, key, namespace, secret), None
+    if version not in (2, VERSION):
+        raise CorruptObject(key, f"format version {version}, this build reads 1 to {VERSION}")
+    head = _HEAD if version == VERSION else _HEAD_V2
+    if len(data) < head.size:
         raise CorruptObject(key, f"truncated header ({len(data)} bytes)")
-    _, _, flags, klen, plen, ns, check = _HEAD.unpack_from(data)
+    if version == VERSION:
+        _, _, flags, klen, plen, ns, writer, check = head.unpack_from(data)
+    else:
+        (_, _, flags, klen, plen, ns, check), writer = head.unpack_from(data), NO_WRITER
     if flags & ~KEYED:
         raise CorruptObject(key, f"unknown flags {flags:#x}")
     if secret and not flags & KEYED:
         raise CorruptObject(key, "not keyed by a secret, and this reader requires one", UNAUTHENTICATED)
     if flags & KEYED and not secret:
         raise CorruptObject(key, "keyed by a secret this reader does not have", UNAUTHENTICATED)
-    payload = _body(data, key, namespace, ns, _HEAD.size, klen, plen)
+    payload = _body(data, key, namespace, ns, head.size, klen, plen)
     k = key.encode()
-    if not hmac.compare_digest(_check(data[:_CHECKED], k, payload, secret), check):
+    if not hmac.compare_digest(_check(data[:head.size - 32], k, payload, secret), check):
         if secret:
             raise CorruptObject(key, "MAC mismatch (forged, corrupted, or keyed with another secret)",
                                 UNAUTHENTICATED)
         raise CorruptObject(key, "checksum mismatch")
-    return payload
+    return payload, (None if writer == NO_WRITER else writer)
 
 
 def _unpack_v1(data, key: str, namespace: bytes, secret: bytes | None) -> bytes:

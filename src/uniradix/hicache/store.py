@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from .codec import handle_nbytes, sidecar_row_nbytes, write_handles, write_sidecar_rows
 from .keys import StorageNamespace, component_key, page_keys
 from .log_limit import LogLimiter
-from .objects import CorruptObject, object_nbytes_at_most, unpack_object
+from .objects import NO_WRITER, CorruptObject, object_nbytes_at_most, unpack_with_writer
 from .storage import StorageBackend
 from .store_writes import BUSY, KNOWN, MINE, Writing
 
@@ -49,7 +49,9 @@ KNOWN_TTL_S = 600.0
 
 @dataclass
 class Fetched:
-    """Checked objects for a load to [start, b), not yet written to the pools."""
+    """Checked objects for a load to [start, b), not yet written to the pools.
+    `cross_instance`: the tokens of [start, b) whose pages another instance wrote (by
+    the writer their page objects name)."""
 
     b: int
     start: int
@@ -57,23 +59,26 @@ class Fetched:
     blobs: list
     objects: int
     nbytes: int = 0
+    cross_instance: int = 0
 
 
 class L3Store(Writing):
     """cache: a UnifiedRadixCache (its components, pools and page size); backend: the
     StorageBackend; namespace: a StorageNamespace without salt (the salt of each call
     is added to it); secret: the key of the objects' MAC (objects.resolve_secret), or
-    None for plain checksums."""
+    None for plain checksums; writer: this instance's 16-byte id, written into every
+    object (a read tells its own objects from another instance's by it)."""
 
     def __init__(self, cache, backend: StorageBackend, namespace: StorageNamespace,
                  secret: bytes | None = None, known_keys: int = KNOWN_KEYS,
-                 known_ttl: float = KNOWN_TTL_S) -> None:
+                 known_ttl: float = KNOWN_TTL_S, writer: bytes = NO_WRITER) -> None:
         if namespace.page_size != cache.page_size:
             raise ValueError(f"namespace page size {namespace.page_size} != cache page size {cache.page_size}")
         self.cache = cache
         self.backend = backend
         self.namespace = namespace
         self.secret = secret
+        self.writer = writer
         self.P = cache.page_size
         self.comps = cache.page_comps
         self.ckpt = cache.ckpt
@@ -275,6 +280,7 @@ class L3Store(Writing):
         if len(keys) * self.P != b:
             raise ValueError(f"{len(tokens)} tokens cannot resume at {b}")
         plan = []  # (pool or sidecar, handles, keys, is_sidecar)
+        pages_of = None  # the plan entry of the structural component's pages: their writers count
         for c in self.comps:
             pool = self.cache.pools[c.index]
             lo = max(c.window_start(b), start) // self.P
@@ -284,6 +290,8 @@ class L3Store(Writing):
             if not hs:
                 continue  # nothing of it to read at b (a window of one token reads none)
             page_ks = keys[lo:]
+            if c.structural:
+                pages_of = len(plan)
             plan.append((pool, hs, [self._key(k, c) for k in page_ks], False))
             for sc, sks in self._sidecar_keys(pool, c, page_ks):
                 plan.append((sc, hs, sks, True))
@@ -294,13 +302,15 @@ class L3Store(Writing):
                          [component_key(keys[-1], self.ckpt.name)], False))
         all_keys = [k for _, _, ks, _ in plan for k in ks]
         data = self.backend.batch_get(all_keys)
-        blobs, bad, absent, i = [], [], [], 0
-        for target, _, ks, sidecar in plan:
+        blobs, bad, absent, i, foreign = [], [], [], 0, 0
+        for j, (target, _, ks, sidecar) in enumerate(plan):
             n = sidecar_row_nbytes(target) if sidecar else handle_nbytes(target)
             got = []
             for k, d in zip(ks, data[i:i + len(ks)]):
                 try:
-                    x = unpack_object(d, k, seed, self.secret)
+                    x, writer = unpack_with_writer(d, k, seed, self.secret)
+                    if j == pages_of and (writer or NO_WRITER) != self.writer:
+                        foreign += 1
                 except CorruptObject as e:
                     if e.kind == "absent":
                         absent.append(k)
@@ -319,7 +329,8 @@ class L3Store(Writing):
             self._count("failed_loads")
             return None
         self._remember(all_keys)
-        return Fetched(b, start, plan, blobs, len(all_keys), sum(len(x) for bl in blobs for x in bl))
+        return Fetched(b, start, plan, blobs, len(all_keys), sum(len(x) for bl in blobs for x in bl),
+                       foreign * self.P)
 
     def _drop(self, bad: list) -> None:
         """Objects found unusable at read time are counted and deleted at once: the

@@ -333,7 +333,7 @@ class Writing:
             if not todo:
                 return 0
             keys = [job.keys[i] for i in todo]
-            ok = self.backend.batch_set(keys, [pack_object(k, job.payloads[i], job.seed, self.secret)
+            ok = self.backend.batch_set(keys, [pack_object(k, job.payloads[i], job.seed, self.secret, self.writer)
                                                for k, i in zip(keys, todo)])
         except StorageUnavailable as e:
             self.forget_all()  # it may have lost anything

@@ -47,6 +47,8 @@ STORAGE_COUNTERS = {
                                    "policy's deadline (the request computed instead)"),
     "storage_writes_dropped": ("storage_writes_dropped", "L3 writes dropped unwritten (the store fell behind "
                                "by more than the write queue holds)"),
+    "storage_cross_instance_tokens": ("cached_tokens_cross_instance", "prompt tokens reused from L3 objects "
+                                      "another instance wrote (a part of cached_tokens{tier=\"storage\"})"),
 }
 
 
@@ -144,6 +146,9 @@ def engine_families(s: dict):
                             "holds other weights' witness: no reads, no writes)", value=st.get("storage_refused", 0))
     yield GaugeMetricFamily("uniradix_storage_pending_writes", "L3 writes queued for the store now",
                             value=st.get("storage_pending_writes", 0))
+    yield GaugeMetricFamily("uniradix_storage_instances_seen", "other instances announcing themselves in this "
+                            "server's L3 namespace now (0: L3 is shared with no one)",
+                            value=st.get("storage_instances_seen", 0))
     yield GaugeMetricFamily("uniradix_sessions_open", "sessions open", value=s["sessions"])
     yield GaugeMetricFamily("uniradix_session_references", "sessions whose next turn the tree keeps "
                             "referenced", value=st["cache"]["sessions"])

@@ -26,7 +26,8 @@ def record(req, client_id: str | None, token_ids: bool = False) -> dict:
             "session": req.session_id, "status": req.status, "finish_reason": req.finish_reason,
             "prompt_tokens": m.prompt_tokens, "cached_tokens": m.cached_tokens,
             "cached_device": m.cached_tokens - m.host_tokens - m.storage_tokens, "cached_host": m.host_tokens,
-            "cached_storage": m.storage_tokens, "computed_tokens": m.computed_tokens,
+            "cached_storage": m.storage_tokens, "cached_cross_instance": m.cross_instance_tokens,
+            "computed_tokens": m.computed_tokens,
             "output_tokens": m.output_tokens, "ttft": None if m.ttft is None else round(m.ttft, 6),
             "latency": None if m.latency is None else round(m.latency, 6)}
     if token_ids:

@@ -94,6 +94,8 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
     logging.getLogger("uvicorn.error").addFilter(ClientFaultsAtInfo())
     host, port = sock.getsockname()[:2]
     app.state.port = port  # --port 0: the one bound, for /get_server_info
+    if engine.storage is not None:  # the others sharing its L3 see it, and it sees them
+        engine.storage.announce(model=model_name, url=f"http://{host}:{port}")
     shown = {**engine_settings, **config.as_dict(), "port": port}
     logging.getLogger("uniradix.server").info("settings: %s", json.dumps(shown, default=str))
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal before uvicorn takes over stops it too

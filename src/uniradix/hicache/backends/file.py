@@ -53,11 +53,38 @@ class FileBackend(StorageBackend):
         self.path = os.path.abspath(path)
         self.fsync = fsync
         _check_writable_dir(self.path)
-        log.warning("file backend at %s: a node-local directory is not shared between machines "
-                    "unless it is a shared mount (NFS, Lustre, ...)", self.path)
+        self.fstype, self.mount = filesystem_of(self.path)
+        shared = self.shared()
+        if shared is False:
+            log.warning("file backend at %s: a node-local filesystem (%s, mounted at %s): only servers on this "
+                        "machine share it; a fleet shares L3 through a shared mount (NFS, Lustre, ...), Redis or "
+                        "Mooncake", self.path, self.fstype, self.mount)
+        elif shared is None:
+            log.warning("file backend at %s (%s, mounted at %s): a node-local directory is not shared between "
+                        "machines unless it is a shared mount (NFS, Lustre, ...)", self.path, self.fstype, self.mount)
+        else:
+            log.info("file backend at %s: a shared filesystem (%s, mounted at %s)", self.path, self.fstype,
+                     self.mount)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._lock = threading.Lock()
         self.failure_log = LogLimiter(log, f"file backend at {self.path}")
+
+    def shared(self) -> bool | None:
+        """Whether other machines can reach this directory: its filesystem is a network
+        or cluster one (True), a local one (False), or one this cannot tell (None: a FUSE
+        filesystem, an unknown type)."""
+        if self.fstype in SHARED_FILESYSTEMS:
+            return True
+        if self.fstype in LOCAL_FILESYSTEMS:
+            return False
+        return None
+
+    def sharing_hint(self) -> str | None:
+        """What to say when no other instance shows up in the namespace: why (None where
+        there is nothing to suspect)."""
+        if self.shared() is False:
+            return f"the file store at {self.path} is on a node-local filesystem ({self.fstype})"
+        return None
 
     def _count(self, **inc: int) -> None:
         with self._lock:
@@ -343,6 +370,39 @@ def _entry_kind(mode: int) -> str:
         if test(mode):
             return name
     return "special file"
+
+
+#: filesystems other machines reach (network and cluster filesystems)
+SHARED_FILESYSTEMS = frozenset({"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "gpfs",
+                                "beegfs", "ocfs2", "gfs2", "afs", "panfs", "wekafs", "orangefs", "fuse.glusterfs",
+                                "fuse.cephfs", "fuse.juicefs", "fuse.s3fs", "fuse.gcsfuse", "fuse.sshfs",
+                                "fuse.beegfs", "fuse.lustre"})
+#: filesystems only this machine reaches
+LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "tmpfs", "ramfs", "overlay",
+                               "f2fs", "jfs", "reiserfs", "vfat", "exfat", "ntfs", "ntfs3", "devtmpfs", "squashfs",
+                               "aufs"})
+
+
+def filesystem_of(path: str, mounts: str = "/proc/mounts") -> tuple[str, str]:
+    """(filesystem type, mount point) of the mount holding `path` (the longest mount
+    point above it in /proc/mounts); ("unknown", "?") where that cannot be read."""
+    real = os.path.realpath(path)
+    best = ("unknown", "?")
+    try:
+        with open(mounts, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return best
+    depth = -1
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= depth:
+            best, depth = (parts[2], point), len(point)
+    return best
 
 
 def _check_writable_dir(path: str) -> None:
