@@ -272,13 +272,13 @@ class MooncakeStore(Store):
                 "connected": True, "connects": 1}
 
     def raw_put(self, b, names, value):
-        assert b._store.upsert_batch(names, [value] * len(names)) == 0
+        assert b.client._store.upsert_batch(names, [value] * len(names)) == 0
 
     def raw_get(self, b, names):
-        return [b._store.get(n) for n in names]
+        return [b.client._store.get(n) for n in names]
 
     def raw_remove(self, b, names):
-        assert b._store.batch_remove(names, True) == [0] * len(names)
+        assert b.client._store.batch_remove(names, True) == [0] * len(names)
 
 
 def open_store(kind: str, request) -> Store:

@@ -107,8 +107,8 @@ def test_batch_contains_is_one_existence_query(backend, monkeypatch):
     n = 4 * mc.EXISTS_CHUNK
     ks = keys(n, ns="inq")
     assert all(backend.batch_set(ks[1::2], [b"v"] * (n // 2)))
-    counting = CountingStore(backend._store)
-    monkeypatch.setattr(backend, "_store", counting)
+    counting = CountingStore(backend.client._store)
+    monkeypatch.setattr(backend.client, "_store", counting)
     assert backend.batch_contains(ks) == [i % 2 == 1 for i in range(n)]
     assert counting.calls == ["batch_is_exist"]
 
@@ -135,7 +135,7 @@ def test_mooncake_put_keeps_the_old_value(backend):
     # Why batch_set uses upsert: a plain put of an existing key answers success and
     # keeps what was there. (If Mooncake changes this, the backend still replaces.)
     name = backend.prefix + key(1, ns="put")
-    store = backend._store
+    store = backend.client._store
     assert store.put(name, b"one") == 0
     assert store.put(name, b"two") == 0
     assert store.get(name) == b"one"

@@ -22,8 +22,8 @@ Sizes are bytes, or a number with a unit (KB, MB, GB, TB or KiB, ...; powers of 
 Mooncake's own JSON names are accepted as aliases: master_server_address,
 metadata_server, device_name. Config only: `prefix` (default "uniradix:"),
 `connect_timeout` (seconds, default 2: how long the reachability probe of the master
-waits, see below) and `op_timeout` (seconds, default 10: how long one store call may
-take, see below).
+waits) and `op_timeout` (seconds, default 10: how long one store call may take); how
+the backend reaches the master and bounds its calls: see `backends/mooncake_client.py`.
 
 What Mooncake does, and how the interface maps onto it:
 
@@ -48,46 +48,28 @@ What Mooncake does, and how the interface maps onto it:
   (`remove_by_regex`), so other prefixes and foreign keys stay.
 - Eviction belongs to the master (eviction_high_watermark_ratio / eviction_ratio).
 
-Reaching the master: the constructor connects (validating settings first: a bad or
-missing setting is a ValueError). If the master cannot be reached it logs a warning and
-does not fail; every call then raises `StorageUnavailable` naming the master until it
-answers, when the backend connects by itself. Before connecting, and after any call
-that failed to reach the master, a plain TCP connect to the master's port (at most
-`connect_timeout`) decides at once whether to try: a master that is down costs a
-refused connect, not Mooncake's own retries (20 attempts of seconds each at setup, a
-reconnect of ~4 s per call). A port that accepts but never answers can still hold
-setup for MC_STORE_CLIENT_SETUP_RETRIES (default 20) times the RPC timeout; the
-constructor and every call wait for it at most `op_timeout` (see below).
-
-Bounded calls: the Mooncake client has no timeout of its own for a call, so each runs
-on one of the backend's daemon threads and is waited for at most `op_timeout`; past it
-the call raises `StorageUnavailable` and is left to return on its thread (a client
-that is still setting up is closed when it does). While MAX_HUNG calls are left so,
-new calls fail at once. close() waits at most `op_timeout` for calls in flight, and
-does not close a client a call is still inside (the process ends it).
-
-The client also listens itself, for its peers: the transfer engine's handshake port is
-bound to 0.0.0.0 (hard-coded in the transfer engine) and the TCP transport to all
-addresses.
-
 The `mooncake` package is imported only when a backend is built:
 `pip install mooncake-transfer-engine-non-cuda` (or the `storage` extra), and the
 library needs libibverbs (`apt-get install libibverbs1`) even for TCP.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
 import re
-import socket
-import threading
-import time
 
-from ..io_threads import DaemonThreads
 from ..log_limit import LogLimiter
 from ..storage import StorageBackend, StorageUnavailable, check_key
+from .mooncake_client import (
+    MAX_HUNG,
+    OBJECT_NOT_FOUND,
+    OK,
+    CallTimedOut,
+    MooncakeClient,
+    _code,
+    _split_address,
+)
 
 log = logging.getLogger("uniradix.hicache")
 
@@ -95,8 +77,6 @@ DEFAULT_PREFIX = "uniradix:"
 DEFAULT_SEGMENT = 64 << 20
 DEFAULT_CONNECT_TIMEOUT = 2.0
 DEFAULT_OP_TIMEOUT = 10.0
-#: calls past op_timeout still inside the client beyond which new calls fail at once
-MAX_HUNG = 4
 PIP_PACKAGE = "mooncake-transfer-engine-non-cuda"
 
 # setting -> (environment variable, default); None: required
@@ -115,17 +95,6 @@ OWN = ("prefix", "connect_timeout", "op_timeout")   # config only
 CONFIG_KEYS = frozenset(SETTINGS) | frozenset(env for env, _ in SETTINGS.values()) \
     | frozenset(ALIASES) | frozenset(OWN)
 
-# Mooncake error codes (mooncake-store/include/types.h) this backend tells apart
-OK = 0
-OBJECT_NOT_FOUND = -704
-RPC_FAIL = -900
-UNAVAILABLE = {RPC_FAIL: "RPC_FAIL", -1010: "UNAVAILABLE_IN_CURRENT_STATUS",
-               -1011: "UNAVAILABLE_IN_CURRENT_MODE", -103: "CLIENT_NOT_FOUND"}
-CODE_NAMES = {-1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_FOUND",
-              -200: "NO_AVAILABLE_HANDLE", -600: "INVALID_PARAMS", -700: "INVALID_WRITE",
-              -701: "INVALID_READ", -704: "OBJECT_NOT_FOUND", -706: "OBJECT_HAS_LEASE",
-              -708: "OBJECT_HAS_REPLICATION_TASK", -800: "TRANSFER_FAIL", **UNAVAILABLE}
-
 NEEDED_CALLS = ("setup", "close", "batch_is_exist", "get_batch", "get", "upsert_batch", "upsert",
                 "remove", "remove_by_regex")
 EXISTS_CHUNK = 512   # keys per existence query: batch_exists stops at the first short one
@@ -133,10 +102,6 @@ MAX_SIZE = (1 << 63) - 1   # sizes go to the store as 64-bit integers
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_.:/-]{0,128}\Z")
-
-
-def _code(rc: int) -> str:
-    return f"{rc} ({CODE_NAMES.get(rc, 'error')})"
 
 
 def _store_class():
@@ -173,14 +138,6 @@ def parse_size(value, what: str) -> int:
     if n > MAX_SIZE:
         raise ValueError(f"mooncake backend: {what} must be less than 2**63 bytes, got {value!r}")
     return n
-
-
-def _split_address(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"mooncake backend: master must be host:port, got {addr!r}")
-    return host, int(port)
 
 
 def resolve_settings(config: dict | None = None, environ=None) -> dict:
@@ -245,211 +202,82 @@ def resolve_settings(config: dict | None = None, environ=None) -> dict:
     return out
 
 
-class CallTimedOut(StorageUnavailable):
-    """A store call took longer than op_timeout (it goes on, on its own thread)."""
-
-
 class MooncakeBackend(StorageBackend):
-    """See the module docstring for the settings and for what Mooncake does."""
+    """The storage interface over one `MooncakeClient`: keys named prefix + key, values
+    checked and cut to fit the client's local buffer, Mooncake's answers mapped onto
+    the interface's (see the module docstring)."""
 
     name = "mooncake"
     CONFIG_KEYS = CONFIG_KEYS
+    COUNTERS = ("gets", "hits", "sets", "set_failures", "errors", "bytes_written", "bytes_read",
+                "exists_calls", "deletes", "connects", "unreadable")
 
     def __init__(self, config: dict | None = None) -> None:
         if config is not None and not isinstance(config, dict):
             raise ValueError(f"mooncake backend: config must be a dict, got {type(config).__name__}")
         s = resolve_settings(config)
-        self.settings = s
         self.master = s["master"]
         self.prefix = s["prefix"]
-        self._host_port = _split_address(self.master)
         self._batch_bytes = max(1, s["local_buffer_size"] // 2)
         self._max_value = s["local_buffer_size"]
         self._clear_regex = ("^" + self.prefix.replace(".", r"\.")
                              + r"[0-9a-f]{64}(\.[A-Za-z0-9_-]{1,32})?$")
-        self._cls = _store_class()
-        self._lock = threading.Lock()          # counters, state
-        self._connect_lock = threading.Lock()  # one setup at a time
-        self._idle = threading.Condition(self._lock)
-        self._inflight = 0
-        self._closed = False
-        self._store = None
-        self._suspect = False   # the last call failed to reach the master: probe first
-        # bumped each time the master answers again after a call failed to reach it (it
-        # may have restarted, and a new master knows no objects): the storage tier then
-        # believes nothing stored and checks the witness again
-        self.generation = 0
-        self._hung = 0          # calls abandoned past op_timeout, still inside the client
-        self._calls = DaemonThreads(MAX_HUNG + 4, "uniradix-mooncake")
-        self.counters = dict.fromkeys(("gets", "hits", "sets", "set_failures", "errors",
-                                       "bytes_written", "bytes_read", "exists_calls", "deletes",
-                                       "connects", "unreadable"), 0)
         self.failure_log = LogLimiter(log, f"mooncake backend (master {self.master})")
-        try:
-            self._connect()
-        except StorageUnavailable as e:
-            log.warning("%s; L3 calls fail until it answers", e)
+        self.client = MooncakeClient(s, _store_class(), self.COUNTERS)   # connects
 
-    # ------------------------------------------------------------------ plumbing
-    def _count(self, **inc: int) -> None:
-        with self._lock:
-            for k, v in inc.items():
-                self.counters[k] += v
+    @property
+    def settings(self) -> dict:
+        return self.client.settings
 
-    def _unavailable(self, what: str) -> StorageUnavailable:
-        """Count one error, remember to probe before the next call, and build the
-        exception (naming the master) for the caller to raise."""
-        with self._lock:
-            self.counters["errors"] += 1
-            self._suspect = True
-        return StorageUnavailable(f"mooncake backend: master {self.master} {what}")
+    @property
+    def counters(self) -> dict:
+        return self.client.counters
 
-    def _probe(self) -> None:
-        try:
-            with socket.create_connection(self._host_port, timeout=self.settings["connect_timeout"]):
-                pass
-        except OSError as e:
-            raise self._unavailable(f"is unreachable: {e}") from e
-
-    def _connect(self) -> None:
-        """Set up a Mooncake client against the master (probing it first)."""
-        self._probe()
-        s = self.settings
-        store = self._cls()
-        try:
-            rc = self._rpc(store.setup, s["local_hostname"], s["te_meta_data_server"], s["global_segment_size"],
-                           s["local_buffer_size"], s["protocol"], s["device"], self.master,
-                           abandoned=lambda: _close_quietly(store))
-        except CallTimedOut:
-            raise   # closed when the setup returns
-        except StorageUnavailable:
-            _close_quietly(store)
-            raise
-        except (TypeError, ValueError) as e:
-            _close_quietly(store)
-            raise self._unavailable(f"client setup failed: {e}") from e
-        if rc != OK:
-            _close_quietly(store)
-            raise self._unavailable(f"refused the client setup (setup returned {_code(rc)}; "
-                                    f"is a mooncake_master listening there?)")
-        with self._lock:
-            self._store = store
-            self._suspect = False
-            self.generation += bool(self.counters["connects"])
-            self.counters["connects"] += 1
-
-    @contextlib.contextmanager
-    def _op(self):
-        """One call: the connected store, or StorageUnavailable. close() waits for the
-        calls in flight."""
-        with self._lock:
-            if self._closed:
-                raise StorageUnavailable(f"mooncake backend (master {self.master}) is closed")
-            self._inflight += 1
-        try:
-            if self._store is None:
-                if not self._connect_lock.acquire(blocking=False):
-                    raise self._unavailable("is not connected yet (another call is connecting)")
-                try:
-                    if self._store is None:
-                        self._connect()
-                finally:
-                    self._connect_lock.release()
-            elif self._suspect:
-                self._probe()
-                with self._lock:
-                    if self._suspect:
-                        self._suspect = False
-                        self.generation += 1
-            yield self._store
-        finally:
-            with self._lock:
-                self._inflight -= 1
-                self._idle.notify_all()
-
-    def _rpc(self, fn, *args, abandoned=None):
-        """A store call, on a daemon thread, waited for at most op_timeout (CallTimedOut
-        past it; `abandoned()` runs once the call returns after all). An exception from
-        the binding is the store failing."""
-        name = getattr(fn, "__name__", fn)
-        with self._lock:
-            hung = self._hung
-        if hung >= MAX_HUNG:
-            raise self._unavailable(f"has {hung} calls that did not return within op_timeout "
-                                    f"({self.settings['op_timeout']:g} s)")
-        fut = self._calls.submit(fn, *args)
-        try:
-            return fut.result(timeout=self.settings["op_timeout"])
-        except (RuntimeError, OSError) as e:   # TimeoutError is an OSError: told apart by done()
-            if fut.done():
-                raise self._unavailable(f"call {name} failed: {e}") from e
-        if not fut.cancel():   # it runs on: counted until it returns
-            with self._lock:
-                self._hung += 1
-            fut.add_done_callback(lambda _: self._returned(abandoned))
-        with self._lock:
-            self.counters["errors"] += 1
-            self._suspect = True
-        raise CallTimedOut(f"mooncake backend: master {self.master} did not answer {name} within "
-                           f"op_timeout ({self.settings['op_timeout']:g} s)")
-
-    def _returned(self, abandoned) -> None:
-        """A call abandoned past op_timeout has returned."""
-        with self._lock:
-            self._hung -= 1
-            self._idle.notify_all()
-        if abandoned is not None:
-            abandoned()
-
-    def _check_rc(self, rc: int, what: str) -> None:
-        if rc in UNAVAILABLE:
-            raise self._unavailable(f"did not answer {what}: {_code(rc)}")
+    @property
+    def generation(self) -> int:
+        """The client's (StorageBackend.generation): bumped when the master answers again
+        after a call failed to reach it."""
+        return self.client.generation
 
     def _names(self, keys: list[str]) -> list[str]:
         if not isinstance(keys, (list, tuple)):
             raise TypeError(f"keys must be a list, got {type(keys).__name__}")
         return [self.prefix + check_key(k) for k in keys]
 
-    # ------------------------------------------------------------------ the interface
     def batch_exists(self, keys: list[str]) -> int:
         names = self._names(keys)
-        self._count(exists_calls=1)
+        self.client.count(exists_calls=1)
         if not names:
             return 0
         run = 0
-        with self._op() as store:
+        with self.client.store() as store:
             for i in range(0, len(names), EXISTS_CHUNK):
-                chunk = names[i:i + EXISTS_CHUNK]
-                codes = self._rpc(store.batch_is_exist, chunk)
-                if len(codes) != len(chunk):
-                    raise self._unavailable(f"answered {len(codes)} of {len(chunk)} existence queries")
-                for c in codes:
+                for c in self.client.call_batch(store.batch_is_exist, names[i:i + EXISTS_CHUNK],
+                                                "existence queries"):
                     if c == 1:
                         run += 1
                         continue
                     if c != 0:
-                        self._check_rc(c, "an existence query")
+                        self.client.check_rc(c, "an existence query")
                         self.failure_log.failure("failed existence checks",
                                                  "existence query failed: %s", _code(c))
-                        self._count(errors=1)
+                        self.client.count(errors=1)
                     return run
         return run
 
     def batch_contains(self, keys: list[str]) -> list[bool]:
         """One batch_is_exist for all the keys (no chunks: every key is answered)."""
         names = self._names(keys)
-        self._count(exists_calls=1)
+        self.client.count(exists_calls=1)
         if not names:
             return []
-        with self._op() as store:
-            codes = self._rpc(store.batch_is_exist, names)
-        if len(codes) != len(names):
-            raise self._unavailable(f"answered {len(codes)} of {len(names)} existence queries")
+        with self.client.store() as store:
+            codes = self.client.call_batch(store.batch_is_exist, names, "existence queries")
         failed = [c for c in codes if c not in (0, 1)]
         for c in failed:
-            self._check_rc(c, "an existence query")
+            self.client.check_rc(c, "an existence query")
         if failed:
-            self._count(errors=len(failed))
+            self.client.count(errors=len(failed))
             self.failure_log.failure("failed existence checks", "%d of %d existence queries failed: %s",
                                      len(failed), len(names), _code(failed[0]), count=len(failed))
         return [c == 1 for c in codes]
@@ -458,54 +286,16 @@ class MooncakeBackend(StorageBackend):
         names = self._names(keys)
         if not names:
             return []
-        out: list[bytes | None] = [None] * len(names)
-        unreadable = 0
-        with self._op() as store:
-            pending = list(range(len(names)))
-            first = True
-            while pending:
-                # b"" is a miss or a failure (no room in the local buffer, the master
-                # gone): ask which, and fetch again what is there.
-                got = self._rpc(store.get_batch, [names[i] for i in pending])
-                if len(got) != len(pending):
-                    raise self._unavailable(f"answered {len(got)} of {len(pending)} gets")
-                empty = []
-                for i, v in zip(pending, got):
-                    if v:
-                        out[i] = bytes(v)
-                    else:
-                        empty.append(i)
-                if not empty:
-                    break
-                codes = self._rpc(store.batch_is_exist, [names[i] for i in empty])
-                if len(codes) != len(empty):
-                    raise self._unavailable(f"answered {len(codes)} of {len(empty)} existence queries")
-                again = []
-                for i, c in zip(empty, codes):
-                    if c == 1:
-                        again.append(i)
-                    elif c != 0:
-                        self._check_rc(c, "an existence query")
-                        unreadable += 1
-                if len(again) == len(pending) and not first:
-                    # no progress: one at a time, then give up on what still fails
-                    for i in again:
-                        v = self._rpc(store.get, names[i])
-                        if v:
-                            out[i] = bytes(v)
-                        else:
-                            unreadable += 1
-                    break
-                first = False
-                pending = again
+        with self.client.store() as store:
+            out, unreadable = _get_all(self.client, store, names)
         nbytes = sum(len(v) for v in out if v is not None)
         oversized = self._drop_oversized(names, out)
         hits = sum(v is not None for v in out)
         if unreadable:
             self.failure_log.failure("failed reads", "%d of %d objects present could not be read",
                                      unreadable, len(names), count=unreadable)
-        self._count(gets=len(names), hits=hits, errors=unreadable + oversized, unreadable=oversized,
-                    bytes_read=nbytes)
+        self.client.count(gets=len(names), hits=hits, errors=unreadable + oversized, unreadable=oversized,
+                          bytes_read=nbytes)
         return out
 
     def _drop_oversized(self, names: list[str], out: list) -> int:
@@ -521,8 +311,8 @@ class MooncakeBackend(StorageBackend):
                                      "(%d): removed", names[i], len(out[i]), limit)
             out[i] = None
             try:
-                with self._op() as store:
-                    self._rpc(store.remove, names[i], True)
+                with self.client.store() as store:
+                    self.client.call(store.remove, names[i], True)
             except StorageUnavailable as e:
                 self.failure_log.failure("failed deletes", "removing %s failed: %s", names[i], e)
         return len(big)
@@ -531,138 +321,169 @@ class MooncakeBackend(StorageBackend):
         if len(keys) != len(values):
             raise ValueError(f"{len(keys)} keys but {len(values)} values")
         names = self._names(keys)
-        for v in values:
-            if not isinstance(v, (bytes, bytearray, memoryview)):
-                raise TypeError(f"mooncake backend stores bytes, got {type(v).__name__}")
+        sizes = [_nbytes(v) for v in values]
         if not names:
             return []
-        ok = [False] * len(names)
         last = {n: i for i, n in enumerate(names)}   # the last value for a key wins
         todo = []
         for i in last.values():
-            size = memoryview(values[i]).nbytes
-            if 0 < size <= self._max_value:
+            if 0 < sizes[i] <= self._max_value:
                 todo.append(i)
-            elif size:
+            elif sizes[i]:
                 self.failure_log.failure("failed sets", "a %d-byte value is larger than "
-                                         "local_buffer_size (%d): not stored", size, self._max_value)
+                                         "local_buffer_size (%d): not stored", sizes[i], self._max_value)
         try:
-            with self._op() as store:
-                for chunk in self._chunks(todo, values):
-                    rc = self._rpc(store.upsert_batch, [names[i] for i in chunk],
-                                   [values[i] for i in chunk])
-                    self._check_rc(rc, "a batch upsert")
-                    if rc == OK:
-                        for i in chunk:
-                            ok[i] = True
-                        continue
-                    for i in chunk:   # the batch is refused whole: key by key
-                        rc = self._rpc(store.upsert, names[i], values[i])
-                        self._check_rc(rc, "an upsert")
-                        ok[i] = rc == OK
-                        if rc != OK:
-                            self.failure_log.failure("failed sets", "storing %s failed: %s",
-                                                     names[i], _code(rc))
+            with self.client.store() as store:
+                ok = _upsert_all(self.client, store, names, values, _batches(todo, sizes, self._batch_bytes),
+                                 self.failure_log)
         except StorageUnavailable:
-            self._count(sets=len(names), set_failures=len(names))
+            self.client.count(sets=len(names), set_failures=len(names))
             raise
         result = [ok[last[n]] for n in names]   # earlier duplicates: the fate of the last
-        self._count(sets=len(names), set_failures=result.count(False),
-                    bytes_written=sum(memoryview(values[i]).nbytes for i in last.values() if ok[i]))
+        self.client.count(sets=len(names), set_failures=result.count(False),
+                          bytes_written=sum(sizes[i] for i in last.values() if ok[i]))
         return result
-
-    def _chunks(self, idx: list[int], values):
-        chunk, size = [], 0
-        for i in idx:
-            n = memoryview(values[i]).nbytes
-            if chunk and size + n > self._batch_bytes:
-                yield chunk
-                chunk, size = [], 0
-            chunk.append(i)
-            size += n
-        if chunk:
-            yield chunk
 
     def set_if_absent(self, key: str, value: bytes) -> bool:
         """A plain put: Mooncake keeps a value already there (and answers success either
         way), so of two engines racing the first one's value stays. True: stored, or a
         value was there already (read back to know which)."""
         name = self._names([key])[0]
-        if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise TypeError(f"mooncake backend stores bytes, got {type(value).__name__}")
-        size = memoryview(value).nbytes
+        size = _nbytes(value)
         if not 0 < size <= self._max_value:
-            self._count(sets=1, set_failures=1)
+            self.client.count(sets=1, set_failures=1)
             return False
         try:
-            with self._op() as store:
-                rc = self._rpc(store.put, name, value)
-            self._check_rc(rc, "a put")
+            with self.client.store() as store:
+                rc = self.client.call(store.put, name, value)
+            self.client.check_rc(rc, "a put")
         except StorageUnavailable:
-            self._count(sets=1, set_failures=1)
+            self.client.count(sets=1, set_failures=1)
             raise
         if rc != OK:
             self.failure_log.failure("failed sets", "storing %s failed: %s", name, _code(rc))
-        self._count(sets=1, set_failures=int(rc != OK), bytes_written=size if rc == OK else 0)
+        self.client.count(sets=1, set_failures=int(rc != OK), bytes_written=size if rc == OK else 0)
         return rc == OK
 
     def delete(self, key: str) -> bool:
         name = self._names([key])[0]
-        with self._op() as store:
-            rc = self._rpc(store.remove, name, True)
-        self._check_rc(rc, "a remove")
-        self._count(deletes=1)
+        with self.client.store() as store:
+            rc = self.client.call(store.remove, name, True)
+        self.client.check_rc(rc, "a remove")
+        self.client.count(deletes=1)
         if rc == OK:
             return True
         if rc != OBJECT_NOT_FOUND:
             self.failure_log.failure("failed deletes", "removing %s failed: %s", name, _code(rc))
-            self._count(errors=1)
+            self.client.count(errors=1)
         return False
 
     def clear(self) -> None:
         """Remove every key named prefix + a storage key, on the master (by regex);
         other prefixes' keys and keys that are not storage keys stay."""
-        with self._op() as store:
-            rc = self._rpc(store.remove_by_regex, self._clear_regex, True)
-        self._check_rc(rc, "a remove by pattern")
+        with self.client.store() as store:
+            rc = self.client.call(store.remove_by_regex, self._clear_regex, True)
+        self.client.check_rc(rc, "a remove by pattern")
         if rc < 0:
-            raise self._unavailable(f"refused to clear prefix {self.prefix!r}: {_code(rc)}")
+            raise self.client.unavailable(f"refused to clear prefix {self.prefix!r}: {_code(rc)}")
 
     def stats(self) -> dict:
-        with self._lock:
-            out = dict(self.counters)
-            connected = self._store is not None and not self._suspect
-        return dict(out, backend=self.name, master=self.master, prefix=self.prefix,
+        counters, connected = self.client.snapshot()
+        return dict(counters, backend=self.name, master=self.master, prefix=self.prefix,
                     connected=connected)
 
     def close(self) -> None:
-        """Wait for the calls in flight (each ends within op_timeout: returned, or given
-        up and left running), then close the client (its segment, and the objects the
-        master placed there, leave the store). Calls given up already are not waited
-        for: they may never return."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            deadline = time.monotonic() + self.settings["op_timeout"]
-            while self._inflight and time.monotonic() < deadline:
-                self._idle.wait(deadline - time.monotonic())
-            busy = self._inflight + self._hung
-            store, self._store = self._store, None
-        if store is not None and busy:   # closing a client a call is still inside could crash
-            log.warning("mooncake backend (master %s): %d call(s) still running at close; the client "
-                        "is left to the process's end", self.master, busy)
-        elif store is not None:
-            _close_quietly(store)
-        self._calls.shutdown()
-        self.failure_log.flush()
+        """Close the client (see MooncakeClient.close), then report the failures not
+        yet logged."""
+        if self.client.close():
+            self.failure_log.flush()
 
     def __repr__(self) -> str:
         return f"MooncakeBackend(master={self.master!r}, prefix={self.prefix!r})"
 
 
-def _close_quietly(store) -> None:
-    try:
-        store.close()
-    except Exception as e:  # noqa: BLE001 - closing must not raise
-        log.debug("mooncake backend: close: %s", e)
+def _get_all(client: MooncakeClient, store, names: list[str]) -> tuple[list[bytes | None], int]:
+    """The values of `names` (None: absent), and how many present ones could not be
+    read. A get answers b"" for a miss and for a failure alike (no room in the local
+    buffer, the master gone): ask which, and fetch again what is there."""
+    out: list[bytes | None] = [None] * len(names)
+    unreadable = 0
+    pending = list(range(len(names)))
+    first = True
+    while pending:
+        got = client.call_batch(store.get_batch, [names[i] for i in pending], "gets")
+        empty = []
+        for i, v in zip(pending, got):
+            if v:
+                out[i] = bytes(v)
+            else:
+                empty.append(i)
+        if not empty:
+            break
+        codes = client.call_batch(store.batch_is_exist, [names[i] for i in empty], "existence queries")
+        again = []
+        for i, c in zip(empty, codes):
+            if c == 1:
+                again.append(i)
+            elif c != 0:
+                client.check_rc(c, "an existence query")
+                unreadable += 1
+        if len(again) == len(pending) and not first:
+            # no progress: one at a time, then give up on what still fails
+            for i in again:
+                v = client.call(store.get, names[i])
+                if v:
+                    out[i] = bytes(v)
+                else:
+                    unreadable += 1
+            break
+        first = False
+        pending = again
+    return out, unreadable
+
+
+def _upsert_all(client: MooncakeClient, store, names: list[str], values, batches, failure_log) -> list[bool]:
+    """Per name, whether its value was stored: one upsert_batch per batch (of indexes
+    into names), and a batch refused whole key by key."""
+    ok = [False] * len(names)
+    for chunk in batches:
+        rc = client.call(store.upsert_batch, [names[i] for i in chunk], [values[i] for i in chunk])
+        client.check_rc(rc, "a batch upsert")
+        if rc == OK:
+            for i in chunk:
+                ok[i] = True
+            continue
+        for i in chunk:
+            rc = client.call(store.upsert, names[i], values[i])
+            client.check_rc(rc, "an upsert")
+            ok[i] = rc == OK
+            if rc != OK:
+                failure_log.failure("failed sets", "storing %s failed: %s", names[i], _code(rc))
+    return ok
+
+
+def _batches(idx: list[int], sizes: list[int], limit: int):
+    """`idx` cut into runs whose sizes add up to at most `limit` bytes (a larger
+    value alone)."""
+    chunk, size = [], 0
+    for i in idx:
+        n = sizes[i]
+        if chunk and size + n > limit:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(i)
+        size += n
+    if chunk:
+        yield chunk
+
+
+def _nbytes(value) -> int:
+    """The size of a value to store; anything but bytes is a TypeError."""
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        raise TypeError(f"mooncake backend stores bytes, got {type(value).__name__}")
+    return memoryview(value).nbytes
+
+
+# MAX_HUNG and CallTimedOut live with the client; callers and tests know them here
+__all__ = ["CONFIG_KEYS", "EXISTS_CHUNK", "MAX_HUNG", "PIP_PACKAGE", "CallTimedOut", "MooncakeBackend",
+           "parse_size", "resolve_settings"]
