@@ -5,6 +5,7 @@ the checkpoint actually served."""
 from __future__ import annotations
 
 import json
+import time
 import sys
 from pathlib import Path
 
@@ -138,3 +139,45 @@ def test_cache_tree_shows_the_tree(named):
     for bad in ("depth=-1", "depth=x", "children=0", "depth=65"):
         status, out, _ = named.get(f"/cache/tree?{bad}")
         assert status == 400 and bad.split("=")[0] in out["error"]["message"], (bad, out)
+
+
+def test_load_report_in_sglangs_shape(named):
+    """/v1/loads as SGLang's gateway parses it: integer counts, no null anywhere; the
+    cached pages a new request could evict do not count as used."""
+    import threading
+    for i in range(3):  # a warm cache: every page the tree holds is evictable
+        assert named.post("/generate", {"input_ids": [x % 250 + 1 for x in range(5 + i, 300)],
+                                        "sampling_params": {"max_new_tokens": 2}})[0] == 200
+    named.wait_idle()
+    status, rep, _ = named.get("/v1/loads?include=core,disagg,queues,memory")
+    assert status == 200, rep
+    (load,) = rep["loads"]
+    assert rep["dp_rank_count"] == 1 and isinstance(rep["timestamp"], str) and rep["version"]
+
+    def no_nulls(x):
+        return all(no_nulls(v) for v in x.values()) if isinstance(x, dict) else x is not None
+    assert no_nulls(rep)
+    for k in ("num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens", "max_total_num_tokens",
+              "max_running_requests", "num_waiting_uncached_tokens"):
+        assert type(load[k]) is int, k
+    assert load["token_usage"] == 0.0 and load["num_running_reqs"] == 0 and 0 < load["cache_hit_rate"] < 1
+    assert load["max_total_num_tokens"] == 4096
+    # while a long request runs, its pages are used
+    done = threading.Event()
+    threading.Thread(target=lambda: (named.post("/generate", {"input_ids": list(range(1, 200)), "sampling_params": {
+        "max_new_tokens": 300, "ignore_eos": True}}), done.set()), daemon=True).start()
+    deadline = time.monotonic() + 30
+    while True:
+        load = named.get("/v1/loads")[1]["loads"][0]
+        if load["num_running_reqs"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert load["num_running_reqs"] == 1 and load["token_usage"] > 0 and load["num_used_tokens"] >= 199, load
+    done.wait(60)
+    for bad in ("include=everything", "dp_rank=1"):
+        status, out, _ = named.get(f"/v1/loads?{bad}")
+        assert status == 400 and bad.split("=")[0] in out["error"]["message"], out
+    # SGLang's newer metadata routes, and what owns the model, as its gateway reads them
+    assert named.get("/server_info")[1]["max_total_tokens"] == 4096
+    assert named.get("/model_info")[1]["is_generation"] is True
+    assert {m["owned_by"] for m in named.get("/v1/models")[1]["data"]} == {"sglang"}

@@ -20,12 +20,13 @@ SAMPLE_S = 2.0
 KEEP = 900
 
 #: the series the history keeps per sample: the counters a hit rate per tier over time
-#: is made of, and the queue gauges
+#: is made of, the decode tokens (the load report's throughput), and the queue gauges
 HISTORY_SERIES = {
     "prompt": "uniradix_prompt_tokens_total",
     "device": 'uniradix_cached_tokens_total{tier="device"}',
     "host": 'uniradix_cached_tokens_total{tier="host"}',
     "storage": 'uniradix_cached_tokens_total{tier="storage"}',
+    "decode": "uniradix_decode_tokens_total",
     "running": "uniradix_running_requests",
     "waiting": "uniradix_waiting_requests",
 }

@@ -1,6 +1,7 @@
 """The admin routes: liveness (`/health`, `/health_generate`), sessions
 (`/open_session`, `/close_session`), the cache flush (`/flush_cache`, and vLLM's
-`/reset_prefix_cache`), what is served (`/get_server_info`, `/get_model_info`) and the
+`/reset_prefix_cache`), what is served (`/get_server_info`, `/get_model_info`, and
+SGLang's newer `/server_info`, `/model_info`) and the
 handle audit (`/audit`)."""
 from __future__ import annotations
 
@@ -93,6 +94,7 @@ def add_routes(app, jobs, read_body, engine_settings: dict, version: str) -> Non
         return error(400, "cannot flush the cache while requests are running; retry when idle")
 
     @app.get("/get_server_info")
+    @app.get("/server_info")   # SGLang's newer name, the one its gateway asks first
     async def server_info():
         # every name here is a declared setting (its secrets hidden by as_dict): only texts are masked
         storage = engine.storage
@@ -105,6 +107,7 @@ def add_routes(app, jobs, read_body, engine_settings: dict, version: str) -> Non
         return {k: redact_value("", v) for k, v in shown.items()}
 
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def model_info():
         m = engine.model
         layers = {spec.name: len(ls) for spec, ls in m.states().groups}

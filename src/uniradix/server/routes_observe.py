@@ -1,11 +1,13 @@
-"""What an operator looks at: `/metrics` (Prometheus), `/dashboard` and its data, and
-`/cache/tree` (the tree's shape). Each reads the engine on the scheduler thread, between
-two steps."""
+"""What an operator and a gateway look at: `/metrics` (Prometheus), `/dashboard` and its
+data, `/cache/tree` (the tree's shape) and `/v1/loads` (SGLang's load report, which
+SGLang's gateway routes by). Each reads the engine on the scheduler thread, between two
+steps."""
 from __future__ import annotations
 
 from fastapi.responses import HTMLResponse, Response
 
 from . import dashboard
+from .loads import SECTIONS, scheduler_loads
 from .metrics import CONTENT_TYPE
 from .protocol import want
 
@@ -40,3 +42,13 @@ def add_routes(app, jobs, metrics, version: str) -> None:
             lim[name] = int(v)
         tree = engine.cache.tree
         return await runner.run(lambda: tree_shape(tree, lim["depth"], lim["children"]))
+
+    @app.get("/v1/loads")
+    async def v1_loads(include: str = "all", dp_rank: str | None = None):
+        """SGLang's load report (loads.py). `include`: SGLang's section names, comma-
+        separated (the core figures come whatever is named); `dp_rank`: 0, the only one."""
+        asked = [x.strip() for x in include.split(",") if x.strip()]
+        bad = [x for x in asked if x not in SECTIONS]
+        want(not bad, "include", f"comma-separated sections of {', '.join(SECTIONS)}", include)
+        want(dp_rank is None or dp_rank == "0", "dp_rank", "0 (this server has one data-parallel rank)", dp_rank)
+        return await runner.run(lambda: scheduler_loads(engine, runner.history, version))

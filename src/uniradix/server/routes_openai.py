@@ -35,6 +35,12 @@ COMPLETION_NAMES = {"input_ids": "prompt", "max_new_tokens": "max_tokens", "stop
 CHAT_NAMES = {"input_ids": "messages", "max_new_tokens": "max_tokens", "stop_ids": "stop_token_ids"}
 
 
+#: what /v1/models says owns the model: "sglang", since this server speaks SGLang's
+#: API, and SGLang's gateway (smg) classifies a worker by it (then reads /server_info
+#: and /model_info, SGLang's, rather than vLLM's routes)
+OWNED_BY = "sglang"
+
+
 def add_routes(app, jobs: Jobs, read_body) -> None:
     name = app.state.model_name
     max_batch = app.state.config.max_batch_prompts
@@ -42,7 +48,7 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": n, "object": "model", "created": app.state.started,
-                                            "owned_by": "uniradix", "max_model_len": jobs.engine.context_length}
+                                            "owned_by": OWNED_BY, "max_model_len": jobs.engine.context_length}
                                            for n in app.state.served_names]}
 
     @app.post("/v1/completions")

@@ -1,0 +1,83 @@
+"""SGLang's gateway (`smg launch`, the PyPI package smg, a test dependency) in front of
+`uniradix serve` workers, for the tests and the fleet benchmark: on 127.0.0.1 at a free
+port (its Prometheus port too), stopped by its PID."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+from server_proc import ServerProc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def smg_binary() -> str | None:
+    return shutil.which("smg")
+
+
+class GatewayProc(ServerProc):
+    """`smg launch --policy POLICY --worker-urls URL...` with `flags` added; ready once it
+    reports every worker healthy. Talked to with ServerProc's HTTP helpers."""
+
+    def __init__(self, worker_urls: list[str], policy: str = "cache_aware", *flags: str,
+                 startup_s: float = 60.0) -> None:
+        binary = smg_binary()
+        if binary is None:
+            raise RuntimeError("smg is not installed (pip install smg: a test dependency)")
+        self.port = free_port()
+        self.lines: list[str] = []
+        self.log_path = f"/tmp/uniradix-smg-{self.port}.log"
+        cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
+               "--worker-urls", *worker_urls, "--prometheus-host", "127.0.0.1",
+               "--prometheus-port", str(free_port()), "--log-level", "warn", *flags]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self._reader = None
+        deadline = time.monotonic() + startup_s
+        while True:
+            try:
+                status, body, _ = self.get("/readiness")
+                if status == 200 and body.get("healthy_workers") == len(worker_urls):
+                    break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"smg did not become ready: {self.log()[-3000:]}")
+            time.sleep(0.2)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def workers(self) -> list[dict]:
+        status, body, _ = self.get("/workers")
+        assert status == 200, body
+        return body["workers"]
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def routed(self, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict, str]:
+        """POST through the gateway: (status, body, the worker URL it went to)."""
+        status, out, h = self.post(path, body, headers=headers)
+        return status, out, {k.lower(): v for k, v in h.items()}.get("x-smg-routed-worker-id", "")
