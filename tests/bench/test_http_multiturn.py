@@ -54,3 +54,43 @@ def test_not_reported_and_bad_flags(tmp_path, capsys):
     assert "not reported" in out and "0.0%" not in out, out
     assert main(["bench", "multiturn", "--url", "ftp://127.0.0.1:1", "--no-progress"]) == 2
     assert main(["bench", "multiturn", "--url", "http://127.0.0.1:1", "--clients", "0"]) == 2
+
+
+def test_tier_split_is_summed_and_a_stream_error_event_is_a_failed_request(server, capsys):
+    """A uniradix server's per-tier split is summed per round; an error event in a
+    stream (what SGLang's gateway sends when the worker behind it died) fails the
+    request instead of passing for an empty reply."""
+    import threading
+    from argparse import Namespace
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from uniradix.bench import http_multiturn as hm
+    a = Namespace(url=f"http://127.0.0.1:{server.port}", api="sglang", model="m", api_key=None, clients=2, rounds=2,
+                  preamble_words=10, document_words=10, new_words=4, output_tokens=3, max_parallel=2,
+                  request_rate=0.0, session_id=True, routing_key=False, seed=3, timeout=60.0, log=None, plot=None,
+                  no_progress=True)
+    rows = hm.run(a)
+    assert all(r["cached_by_tier"] is not None for r in rows)
+    assert all(sum(r["cached_by_tier"][t] for t in ("device", "host", "storage")) == r["cached_tokens"] for r in rows)
+    assert "by tier: device" in capsys.readouterr().out
+
+    class Dying(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"text": "a", "meta_info": {"prompt_tokens": 5}}\n\n'
+                             b'data: {"error": {"message": "Stream error: unexpected EOF", "type": "stream_error"}}\n\n'
+                             b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Dying)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        res = hm.one_request(Namespace(**{**vars(a), "url": f"http://127.0.0.1:{httpd.server_port}"}),
+                             hm.Conversation("x"), 0, 1)
+    finally:
+        httpd.shutdown()
+    assert res.error is not None and "unexpected EOF" in res.error

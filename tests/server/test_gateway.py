@@ -109,3 +109,22 @@ def test_a_session_stays_on_one_worker_and_closes_there(workers):
         assert status == 200 and out["closed"], out
     finally:
         gw.stop()
+
+
+def test_the_multiturn_client_through_the_gateway(workers, capsys):
+    """`uniradix bench multiturn --routing-key` against the gateway: each conversation
+    stays on one worker (its hit rate from round 2 on), and its session is closed on
+    that worker at the end (the gateway routes no /close_session)."""
+    from uniradix.cli import main
+    gw = GatewayProc(urls(workers), "consistent_hashing")
+    try:
+        code = main(["bench", "multiturn", "--url", f"http://127.0.0.1:{gw.port}", "--clients", "4", "--rounds", "3",
+                     "--preamble-words", "10", "--document-words", "40", "--new-words", "6", "--output-tokens", "3",
+                     "--routing-key", "--no-progress", "--seed", "11"])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        rows = [line.split() for line in out.splitlines() if line[:5].strip().isdigit()]
+        assert all(float(r[3].rstrip("%")) > 50 for r in rows[1:]), out   # every later turn found its worker
+        assert all(w.metrics()["uniradix_sessions_open"] == 0 for w in workers)
+    finally:
+        gw.stop()

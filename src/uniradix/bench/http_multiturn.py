@@ -12,8 +12,14 @@ tokens, summed), TTFT mean and p90, and the effective input throughput (prompt t
 cached ones included, over the round's wall time). Cached tokens are read from what the
 server reports: SGLang's `meta_info.cached_tokens`, OpenAI's
 `usage.prompt_tokens_details.cached_tokens`, llama.cpp's `timings.cache_n`; where a
-server reports none, the hit rate says "not reported", never 0. `--log` writes one JSON
-line per request (for `uniradix hit-rate`), `--plot` a PNG (matplotlib)."""
+server reports none, the hit rate says "not reported", never 0; where it splits them by
+tier (uniradix: `cached_tokens_details`), the split is summed too. `--log` writes one
+JSON line per request (for `uniradix hit-rate`), `--plot` a PNG (matplotlib).
+
+Behind SGLang's gateway (smg), `--routing-key` sends each conversation's id as the
+gateway's routing key (`X-SMG-Routing-Key`), so a policy that honours it keeps a
+conversation on one worker; the gateway routes no `/close_session`, so sessions are
+closed on the worker the gateway named (`x-smg-routed-worker-id`) for the last turn."""
 from __future__ import annotations
 
 import argparse
@@ -33,12 +39,18 @@ WORDS = ("cache", "prefix", "token", "layer", "window", "state", "page", "tier",
          "session", "round", "reply", "model", "batch", "queue", "memory", "attention", "recurrent")
 
 
+#: the per-tier split of cached tokens a server may report (uniradix's cached_tokens_details)
+TIERS = ("device", "host", "storage", "cross_instance")
+
+
 @dataclass
 class Result:
     client: int
     round: int
     prompt_tokens: int = 0
     cached_tokens: int | None = None
+    tiers: dict | None = None     # cached tokens by tier, where the server says
+    worker: str | None = None     # the worker a gateway sent it to, where it says
     ttft: float | None = None
     latency: float = 0.0
     text: str = ""
@@ -51,6 +63,7 @@ class Result:
 class Conversation:
     text: str
     results: list = field(default_factory=list)
+    worker: str | None = None   # where its last turn went, behind a gateway
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -64,12 +77,16 @@ def _connect(base: str, timeout: float):
     return conn_cls(u.hostname, u.port or (443 if u.scheme == "https" else 80), timeout=timeout), u.path.rstrip("/")
 
 
-def _post_stream(base, path: str, body: dict, headers: dict, timeout: float):
-    """POST a streaming request; yields each server-sent event's data (parsed)."""
+def _post_stream(base, path: str, body: dict, headers: dict, timeout: float, res: Result | None = None):
+    """POST a streaming request; yields each server-sent event's data (parsed). An error
+    event (a gateway's, when the worker behind it died mid-stream) raises. `res.worker`:
+    the worker a gateway says it routed to."""
     c, prefix = _connect(base, timeout)
     try:
         c.request("POST", prefix + path, json.dumps(body).encode(), {"Content-Type": "application/json", **headers})
         r = c.getresponse()
+        if res is not None:
+            res.worker = r.getheader("x-smg-routed-worker-id")
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {r.read()[:300].decode(errors='replace')}")
         for line in r:
@@ -78,7 +95,11 @@ def _post_stream(base, path: str, body: dict, headers: dict, timeout: float):
                 data = line[5:].strip()
                 if data == b"[DONE]":
                     return
-                yield json.loads(data)
+                ev = json.loads(data)
+                if isinstance(ev, dict) and ev.get("error"):
+                    err = ev["error"]
+                    raise RuntimeError(f"error event: {err.get('message', err) if isinstance(err, dict) else err}")
+                yield ev
     finally:
         c.close()
 
@@ -87,13 +108,15 @@ def one_request(a, conv: Conversation, client: int, rnd: int) -> Result:
     res = Result(client, rnd, start=time.perf_counter())
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     sid = f"bench-{a.seed}-{client}" if a.session_id else None
+    if getattr(a, "routing_key", False):
+        headers["X-SMG-Routing-Key"] = f"bench-{a.seed}-{client}"
     try:
         if a.api == "sglang":
             body = {"text": conv.text, "stream": True, "rid": f"c{client}-r{rnd}",
                     "sampling_params": {"max_new_tokens": a.output_tokens, "temperature": 0, "ignore_eos": True}}
             if sid:
                 body["session_id"] = sid
-            for ev in _post_stream(a.url, "/generate", body, headers, a.timeout):
+            for ev in _post_stream(a.url, "/generate", body, headers, a.timeout, res):
                 if res.ttft is None and ev.get("text"):
                     res.ttft = time.perf_counter() - res.start
                 res.text = ev.get("text", res.text)
@@ -101,12 +124,14 @@ def one_request(a, conv: Conversation, client: int, rnd: int) -> Result:
                 res.prompt_tokens = m.get("prompt_tokens", res.prompt_tokens)
                 if m.get("cached_tokens") is not None:
                     res.cached_tokens = m["cached_tokens"]
+                if isinstance(m.get("cached_tokens_details"), dict):
+                    res.tiers = {t: m["cached_tokens_details"].get(t, 0) for t in TIERS}
         else:
             body = {"model": a.model, "prompt": conv.text, "max_tokens": a.output_tokens, "temperature": 0,
                     "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
             if sid:
                 body["session_id"] = sid
-            for ev in _post_stream(a.url, "/v1/completions", body, headers, a.timeout):
+            for ev in _post_stream(a.url, "/v1/completions", body, headers, a.timeout, res):
                 for ch in ev.get("choices") or []:
                     if ch.get("text"):
                         if res.ttft is None:
@@ -128,8 +153,9 @@ def one_request(a, conv: Conversation, client: int, rnd: int) -> Result:
     return res
 
 
-def run(a, out=None) -> list[dict]:
-    """The whole workload; returns the per-round summary rows (and prints them)."""
+def run(a, out=None, before_round=None) -> list[dict]:
+    """The whole workload; returns the per-round summary rows (and prints them).
+    `before_round(rnd)` is called as each round starts (a benchmark's hook)."""
     out = out or sys.stdout
     rng = random.Random(a.seed)
     preamble = "You are a helpful assistant. " + _words(rng, a.preamble_words)
@@ -146,6 +172,8 @@ def run(a, out=None) -> list[dict]:
     lock = threading.Lock()
     with ThreadPoolExecutor(max_workers=a.max_parallel) as pool:
         for rnd in range(1, a.rounds + 1):
+            if before_round is not None:
+                before_round(rnd)
             t0 = time.perf_counter()
             futures = []
             for i, conv in enumerate(convs):
@@ -156,12 +184,15 @@ def run(a, out=None) -> list[dict]:
             wall = time.perf_counter() - t0
             for i, (conv, res) in enumerate(zip(convs, results)):
                 conv.results.append(res)
+                conv.worker = res.worker or conv.worker
                 conv.text += res.text + f"\nQuestion: {_words(rng, a.new_words)}\nAnswer:"
                 if log is not None:
                     with lock:
                         log.write(json.dumps({"round": rnd, "client": i, "time": round(time.time(), 3),
                                               "session": f"client-{i}", "prompt_tokens": res.prompt_tokens,
-                                              "cached_tokens": res.cached_tokens, "ttft": res.ttft,
+                                              "cached_tokens": res.cached_tokens,
+                                              **({f"cached_{t}": n for t, n in res.tiers.items()} if res.tiers
+                                                 else {}), "ttft": res.ttft,
                                               "latency": res.latency, "error": res.error}) + "\n")
             if bar is not None:
                 bar.update(len(results))
@@ -171,9 +202,9 @@ def run(a, out=None) -> list[dict]:
     if bar is not None:
         bar.close()
     if a.session_id and a.api == "sglang":
-        for i in range(a.clients):  # the server may keep what a session references: let it go
+        for i, conv in enumerate(convs):  # the server may keep what a session references: let it go
             try:
-                _close_session(a, f"bench-{a.seed}-{i}")
+                _close_session(a, f"bench-{a.seed}-{i}", conv.worker)
             except Exception:
                 pass
     _print(rows, a, out)
@@ -182,8 +213,9 @@ def run(a, out=None) -> list[dict]:
     return rows
 
 
-def _close_session(a, sid: str) -> None:
-    c, prefix = _connect(a.url, a.timeout)
+def _close_session(a, sid: str, worker: str | None = None) -> None:
+    """On the server, or behind a gateway on the worker its last turn went to."""
+    c, prefix = _connect(worker or a.url, a.timeout)
     try:
         headers = {"Content-Type": "application/json"}
         if a.api_key:
@@ -200,8 +232,10 @@ def _summary(rnd: int, results: list[Result], wall: float) -> dict:
     reported = [r for r in ok if r.cached_tokens is not None]
     cached = sum(r.cached_tokens for r in reported) if reported else None
     ttfts = sorted(r.ttft for r in ok if r.ttft is not None)
+    split = [r.tiers for r in ok if r.tiers is not None]
     return {"round": rnd, "requests": len(results), "errors": len(results) - len(ok), "prompt_tokens": prompt,
             "cached_tokens": cached,
+            "cached_by_tier": {t: sum(x[t] for x in split) for t in TIERS} if split else None,
             "hit_rate": None if cached is None or not prompt else cached / prompt,
             "ttft_mean": statistics.fmean(ttfts) if ttfts else None,
             "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
@@ -226,6 +260,11 @@ def _print(rows: list[dict], a, out) -> None:
     c = sum(r["cached_tokens"] for r in known)
     hit = "not reported" if not known else f"{c / p if p else 0:.1%}"
     print(f"  all: {p:,} prompt tokens, hit rate {hit} (cached prefix tokens / prompt tokens, summed)", file=out)
+    split = [r["cached_by_tier"] for r in rows if r.get("cached_by_tier")]
+    if split and p:
+        by = {t: sum(x[t] for x in split) for t in TIERS}
+        print(f"  by tier: device {by['device'] / p:.1%}, host {by['host'] / p:.1%}, storage {by['storage'] / p:.1%} "
+              f"(from objects another instance wrote: {by['cross_instance'] / p:.1%})", file=out)
     for r in rows:
         if r["first_error"]:
             print(f"  round {r['round']}: {r['errors']} failed, the first: {r['first_error'][:300]}", file=out)
@@ -267,6 +306,10 @@ def add_args(p) -> None:
     p.add_argument("--request-rate", type=float, default=0.0, help="new requests a second, Poisson (0: all at once)")
     p.add_argument("--session-id", action=argparse.BooleanOptionalAction, default=True,
                    help="send a session id per conversation (--no-session-id: none)")
+    p.add_argument("--routing-key", action="store_true",
+                   help="behind SGLang's gateway: send each conversation's id as its routing key "
+                        "(X-SMG-Routing-Key), which keeps it on one worker under --policy consistent_hashing or "
+                        "manual, or with the gateway's --routing-key-override")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     p.add_argument("--log", default=None, help="append one JSON line per request here (for uniradix hit-rate)")
