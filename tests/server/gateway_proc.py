@@ -3,9 +3,7 @@
 port (its Prometheus port too), stopped by its PID."""
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -26,6 +24,8 @@ def smg_binary() -> str | None:
 class GatewayProc(ServerProc):
     """`smg launch --policy POLICY --worker-urls URL...` with `flags` added; ready once it
     reports every worker healthy. Talked to with ServerProc's HTTP helpers."""
+
+    name = "smg"
 
     def __init__(self, worker_urls: list[str], policy: str = "cache_aware", *flags: str,
                  startup_s: float = 60.0) -> None:
@@ -67,15 +67,10 @@ class GatewayProc(ServerProc):
         return body["workers"]
 
     def stop(self, timeout: float = 20.0) -> int:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return self.proc.returncode
+        try:
+            return super().stop(timeout)
+        finally:
+            self._log.close()
 
     def routed(self, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict, str]:
         """POST through the gateway: (status, body, the worker URL it went to)."""

@@ -18,6 +18,8 @@ import time
 class ServerProc:
     """`nofile`: the server's file descriptor limit (soft and hard)."""
 
+    name = "uniradix serve"
+
     def __init__(self, *flags: str, env: dict | None = None, startup_s: float = 120.0,
                  nofile: int | None = None) -> None:
         cmd = [sys.executable, "-m", "uniradix.cli", "serve", "--port", "0", *flags]
@@ -61,8 +63,9 @@ class ServerProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-                raise RuntimeError("uniradix serve did not stop on SIGTERM")
-        self._reader.join(5)
+                raise RuntimeError(f"{self.name} did not stop on SIGTERM")
+        if self._reader is not None:
+            self._reader.join(5)
         return self.proc.returncode
 
     # ------------------------------------------------------------------ HTTP
