@@ -138,8 +138,10 @@ def test_every_kind_of_bad_object_is_refused():
     assert "another key" in _bad(good, key="cd" * 32)
     assert "namespace" in _bad(good, ns=StorageNamespace("model-b", 4).seed())
     version = bytearray(good)
+    version[4] = 0
+    assert "version" in _bad(bytes(version))                # no format 0
     version[4] = 9
-    assert "version" in _bad(bytes(version))
+    assert "newer" in _bad(bytes(version), kind="newer")    # a newer build's: not corrupt
 
 
 def _v1(key, payload, seed):
@@ -276,3 +278,13 @@ def test_resolve_secret(monkeypatch):
     monkeypatch.setenv("UNIRADIX_L3_SECRET", "")
     with pytest.raises(ValueError, match="UNIRADIX_L3_SECRET"):
         resolve_secret()
+
+
+def test_a_newer_format_is_a_miss_of_its_own_kind():
+    """An object a newer build wrote (a fleet being upgraded) is told apart from a
+    corrupt one: readers treat it as a miss and leave it where it is."""
+    obj = bytearray(pack_object(KEY, b"page", NS.seed()))
+    obj[4:6] = struct.pack("<H", objects.VERSION + 1)
+    with pytest.raises(CorruptObject) as e:
+        unpack_object(bytes(obj), KEY, NS.seed())
+    assert e.value.kind == "newer" and "newer" in e.value.reason

@@ -89,6 +89,45 @@ def test_a_bad_object_fails_the_whole_load_and_is_counted(tmp_path):
     assert all(torch.equal(a, t) for a, t in zip(before, pools["full"].handle_tensors()))  # nothing written
 
 
+def test_a_newer_formats_object_is_a_miss_left_in_place(tmp_path):
+    """A page a newer build wrote (a fleet being upgraded): this reader cannot use it,
+    so the load misses, but the object is not taken for corrupt and deleted."""
+    import struct
+    eng, req, ns, _ = served("tiny-hybrid", 4, tmp_path)
+    seq = req.input_ids + req.output_ids[:-1]
+    cache, pools, store = fresh(eng, 4, tmp_path, ns)
+    b = store.hit(seq)
+    from uniradix.hicache import objects, page_keys
+    victim = tmp_path / page_keys(seq, ns)[1]
+    data = bytearray(victim.read_bytes())
+    data[4:6] = struct.pack("<H", objects.VERSION + 1)
+    victim.write_bytes(bytes(data))
+    n = b // 4
+    full, swa = pools["full"].alloc(n), pools["swa"].alloc(n)
+    assert not store.load(seq, b, {"full": full, "swa": swa}, pools["mamba"].alloc(1)[0])
+    assert store.counters["failed_loads"] == 1 and store.counters["corrupt"] == store.counters["deleted"] == 0
+    assert victim.read_bytes() == bytes(data)
+
+
+def test_a_witness_in_a_newer_format_is_not_replaced(tmp_path):
+    import struct
+
+    from uniradix.hicache import objects
+    from uniradix.hicache.backends.file import FileBackend
+    from uniradix.hicache.keys import StorageNamespace, witness_key
+    from uniradix.hicache.storage import StorageUnavailable
+    from uniradix.hicache.witness import Witness
+    ns = StorageNamespace("m", 4)
+    b = FileBackend(str(tmp_path))
+    key = witness_key(ns)
+    obj = bytearray(objects.pack_object(key, b"w-new", ns.seed()))
+    obj[4:6] = struct.pack("<H", objects.VERSION + 1)
+    b.batch_set([key], [bytes(obj)])
+    with pytest.raises(StorageUnavailable, match="newer format"):
+        Witness(b, ns, "w-old").allows()
+    assert b.batch_get([key])[0] == bytes(obj)
+
+
 def test_load_checks_its_arguments(tmp_path):
     eng, req, ns, _ = served("jamba-like", 4, tmp_path)
     cache, pools, store = fresh(eng, 4, tmp_path, ns)

@@ -42,14 +42,16 @@ _HEAD_V2 = struct.Struct("<4sHHHQ16s32s")
 # format 1: magic, version, key length, payload length, namespace digest (16), payload checksum (16)
 _HEAD_V1 = struct.Struct("<4sHHQ16s16s")
 
-ABSENT, CORRUPT, UNAUTHENTICATED = "absent", "corrupt", "unauthenticated"
+ABSENT, CORRUPT, UNAUTHENTICATED, NEWER = "absent", "corrupt", "unauthenticated", "newer"
 
 
 class CorruptObject(ValueError):
     """An object that cannot be used. `reason` says which check failed; `kind` sorts
     them: "absent" (no object), "corrupt" (malformed, another namespace or key, a bad
-    checksum) or "unauthenticated" (not keyed by this reader's secret: forged, or
-    written by an engine configured with another secret or none)."""
+    checksum), "unauthenticated" (not keyed by this reader's secret: forged, or
+    written by an engine configured with another secret or none) or "newer" (a format
+    this build does not read: a newer server's, in a fleet being upgraded; a miss,
+    never deleted)."""
 
     def __init__(self, key: str, reason: str, kind: str = CORRUPT) -> None:
         super().__init__(f"stored object {key!r} is unusable: {reason}")
@@ -137,6 +139,8 @@ def unpack_with_writer(data: bytes | None, key: str, namespace: bytes,
         raise CorruptObject(key, "not a uniradix object")
     if version == 1:
         return _unpack_v1(data, key, namespace, secret), None
+    if version > VERSION:
+        raise CorruptObject(key, f"format version {version}, newer than this build reads (1 to {VERSION})", NEWER)
     if version not in (2, VERSION):
         raise CorruptObject(key, f"format version {version}, this build reads 1 to {VERSION}")
     head = _HEAD if version == VERSION else _HEAD_V2

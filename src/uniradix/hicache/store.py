@@ -312,7 +312,7 @@ class L3Store(Writing):
                     if j == pages_of and (writer or NO_WRITER) != self.writer:
                         foreign += 1
                 except CorruptObject as e:
-                    if e.kind == "absent":
+                    if e.kind in ("absent", "newer"):   # a newer server's object: not ours to delete
                         absent.append(k)
                     else:
                         bad.append((k, e))

@@ -35,7 +35,7 @@ import threading
 import time
 
 from .keys import StorageNamespace, witness_key
-from .objects import CorruptObject, object_nbytes_at_most, pack_object, unpack_object
+from .objects import NEWER, CorruptObject, object_nbytes_at_most, pack_object, unpack_object
 from .storage import StorageBackend, StorageUnavailable
 
 log = logging.getLogger("uniradix.hicache")
@@ -113,13 +113,16 @@ class Witness:
 
     def _read(self) -> str | None:
         """The stored witness; None when absent. A damaged one is removed (a sound one
-        replaces it)."""
+        replaces it); one in a newer format than this build reads is a StorageUnavailable."""
         data = self.backend.batch_get([self.key])[0]
         if data is None:
             return None
         try:
             return unpack_object(data, self.key, self.seed, self.secret).decode("ascii")
         except (CorruptObject, UnicodeDecodeError) as e:
+            if getattr(e, "kind", None) == NEWER:   # a newer server's: not checkable here, not ours to replace
+                raise StorageUnavailable(f"the witness of namespace {label(self.namespace)} is in a newer format "
+                                         f"than this build reads ({e.reason}): upgrade this server") from None
             log.warning("L3: the witness of namespace %s is unusable (%s): replaced", label(self.namespace),
                         getattr(e, "reason", e))
             self.backend.delete(self.key)
