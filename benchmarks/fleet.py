@@ -100,26 +100,33 @@ def run_config(a, label: str, policy: str, routing_key: bool, redis, kill: bool 
     workers = start_workers(a, store)
     gw = GatewayProc([f"http://127.0.0.1:{w.port}" for w in workers], policy, *GATEWAY_FLAGS)
     events: dict = {}
+    now = {"round": 0}
+    shooter: list[threading.Thread] = []
+
+    def shoot() -> None:
+        """SIGKILL worker 2 once it has requests running (--kill-after seconds into the
+        kill round at the earliest), so that some fail in flight; the round it happened
+        in is recorded as it was."""
+        victim, t0 = workers[1], time.monotonic()
+        time.sleep(a.kill_after)
+        while time.monotonic() - t0 < 120:
+            try:
+                if victim.metrics()["uniradix_running_requests"] > 0:
+                    break
+            except (OSError, AssertionError):
+                break
+            time.sleep(0.02)
+        os.kill(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait()
+        events["killed"] = {"round": now["round"], "port": victim.port, "at_s": round(time.monotonic() - t0, 2)}
 
     def before_round(rnd: int) -> None:
+        now["round"] = rnd
         if kill and rnd == a.kill_round:
-            def shoot():
-                """SIGKILL worker 2 once it has requests running (--kill-after seconds into
-                the round at the earliest), so that some fail in flight."""
-                victim, t0 = workers[1], time.monotonic()
-                time.sleep(a.kill_after)
-                while time.monotonic() - t0 < 120:
-                    try:
-                        if victim.metrics()["uniradix_running_requests"] > 0:
-                            break
-                    except (OSError, AssertionError):
-                        break
-                    time.sleep(0.02)
-                os.kill(victim.proc.pid, signal.SIGKILL)
-                victim.proc.wait()
-                events["killed"] = {"round": rnd, "port": victim.port, "at_s": round(time.monotonic() - t0, 2)}
-            threading.Thread(target=shoot, daemon=True).start()
-        if kill and rnd == a.kill_round + 2 and "killed" in events:
+            shooter.append(threading.Thread(target=shoot, daemon=True))
+            shooter[0].start()
+        if kill and rnd == a.kill_round + 2:
+            shooter[0].join()   # the restart comes after the kill, whenever it landed
             port = workers[1].port
             workers[1] = ServerProc(*worker_flags(a, store), "--port", str(port))
             deadline = time.monotonic() + 60   # the gateway's health checks let it back in
@@ -131,8 +138,9 @@ def run_config(a, label: str, policy: str, routing_key: bool, redis, kill: bool 
 
     t0 = time.perf_counter()
     try:
-        rows = http_multiturn.run(workload(a, f"http://127.0.0.1:{gw.port}", routing_key, a.seed), open(os.devnull, "w"),
-                                  before_round)
+        with open(os.devnull, "w") as quiet:   # the table is printed at the end, for every configuration
+            rows = http_multiturn.run(workload(a, f"http://127.0.0.1:{gw.port}", routing_key, a.seed), quiet,
+                                      before_round)
         metrics = [w.metrics() if w.proc.poll() is None else {} for w in workers]
     finally:
         gw.stop()
@@ -191,23 +199,25 @@ def print_table(results: list[dict]) -> None:
 
 
 def print_kill(results: list[dict], a) -> None:
-    k = a.kill_round
     for r in [x for x in results if x["kill"]]:
         base = next(x for x in results if not x["kill"] and x["policy"] == r["policy"] and x["l3"] == r["l3"])
+        killed = r.get("killed") or {}
+        k = killed.get("round", a.kill_round)   # the round it landed in
         after, before = totals(r["rounds"][k - 1:]), totals(base["rounds"][k - 1:])
-        kill_round, killed = r["rounds"][k - 1], r.get("killed") or {}
+        kill_round = r["rounds"][k - 1]
         print(f"\n{r['label']}, {'Redis L3' if r['l3'] else 'no L3'}: worker 2 SIGKILLed {killed.get('at_s', '?')} s "
-              f"into round {k}, with requests running on it: {kill_round['errors']} of {kill_round['requests']} "
-              f"requests of that round failed at the client ({(kill_round['first_error'] or '-')[:90]}); errors by "
-              f"round {[x['errors'] for x in r['rounds']]}")
+              f"after round {a.kill_round} began, in round {k}, with requests running on it: "
+              f"{kill_round['errors']} of {kill_round['requests']} requests of that round failed at the client "
+              f"({(kill_round['first_error'] or '-')[:90]}); errors by round {[x['errors'] for x in r['rounds']]}")
         print(f"  rounds {k}-{a.rounds}: hit rate {pct(after['hit_rate'])} (L3 {pct(after['storage_share'])}, "
               f"of which another instance wrote {pct(after['cross_instance_share'])}) against "
               f"{pct(before['hit_rate'])} without the kill; errors {after['errors']} against {before['errors']}")
         rw = r.get("restarted_worker")
         if rw:
-            print(f"  restarted before round {k + 2}: it served {rw['prompt_tokens']:.0f} prompt tokens, "
-                  f"{rw['cached_storage']:.0f} from L3, {rw['cross_instance']:.0f} of them written by the others; "
-                  f"it sees {rw['instances_seen']:.0f} other instances")
+            print(f"  restarted before round {r['restarted']['round']}: it served {rw['prompt_tokens']:.0f} prompt "
+                  f"tokens, {rw['cached_storage']:.0f} from L3, {rw['cross_instance']:.0f} of them written by another "
+                  f"instance (the others, or itself before the kill: a restart is a new instance); it sees "
+                  f"{rw['instances_seen']:.0f} other instances")
 
 
 def plot(results: list[dict], path: str) -> None:

@@ -42,7 +42,7 @@ def test_each_sees_the_others_once_their_beat_moves():
 
 def test_a_stop_is_seen_at_once_and_silence_after_stale_s():
     store = MemoryBackend()
-    a, b, c = inst(store, 1, stale_s=0.3), inst(store, 2), inst(store, 3)
+    a, b, c = inst(store, 1, stale_s=0.3), inst(store, 2), inst(store, 3, beat_s=0.05)
     for _ in range(3):
         for i in (a, b, c):
             i.beat()
@@ -57,7 +57,7 @@ def test_a_stop_is_seen_at_once_and_silence_after_stale_s():
 
 def test_a_leftover_record_is_not_alive_and_its_slot_is_taken_over_once_still():
     store = MemoryBackend()
-    dead = inst(store, 9, slots=2)
+    dead = inst(store, 9, slots=2, beat_s=0.05)
     dead.beat()
     dead.beat()                        # then it dies without deleting its record (SIGKILL)
     live = inst(store, 1, slots=2, stale_s=0.3)
@@ -111,3 +111,21 @@ def test_alone_on_a_node_local_store_says_so(caplog):
         one.close()
         peer.close()
     assert "no other instance" not in caplog.text
+
+
+def test_a_slower_announcer_is_judged_by_its_own_interval():
+    """A fleet mixing announce intervals: an instance that beats every 5 s is not gone
+    to one that would call 0.3 s of silence stale, and its slot is not taken."""
+    store = MemoryBackend()
+    slow = inst(store, 9, slots=2, beat_s=5.0)
+    fast = inst(store, 1, slots=2, beat_s=0.05, stale_s=0.3)
+    slow.beat()
+    fast.beat()
+    slow.beat()
+    fast.beat()
+    assert ids(fast) == [slow.id]
+    time.sleep(0.4)                    # longer than fast's stale_s, far shorter than 6 x 5 s
+    late = inst(store, 2, slots=2, beat_s=0.05, stale_s=0.3)
+    late.beat()
+    fast.beat()
+    assert ids(fast) == [slow.id] and late.slot is None   # slow's slot stays slow's

@@ -3,9 +3,12 @@
 port (its Prometheus port too), stopped by its PID."""
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 
 from server_proc import ServerProc
@@ -34,27 +37,31 @@ class GatewayProc(ServerProc):
             raise RuntimeError("smg is not installed (pip install smg: a test dependency)")
         self.port = free_port()
         self.lines: list[str] = []
-        self.log_path = f"/tmp/uniradix-smg-{self.port}.log"
+        fd, self.log_path = tempfile.mkstemp(prefix="uniradix-smg-", suffix=".log")
+        os.close(fd)
         cmd = [binary, "launch", "--host", "127.0.0.1", "--port", str(self.port), "--policy", policy,
                "--worker-urls", *worker_urls, "--prometheus-host", "127.0.0.1",
                "--prometheus-port", str(free_port()), "--log-level", "warn", *flags]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
         self._reader = None
+        atexit.register(self._kill_if_alive)   # a test that fails before stop() leaves no gateway behind
         deadline = time.monotonic() + startup_s
         while True:
             try:
                 status, body, _ = self.get("/readiness")
-                if status == 200 and body.get("healthy_workers") == len(worker_urls):
+                if status == 200 and isinstance(body, dict) and body.get("healthy_workers") == len(worker_urls):
                     break
-            except OSError:
+            except Exception:   # not listening yet, or a partial answer
                 pass
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                printed = self.log()
                 self.stop()
-                raise RuntimeError(f"smg did not become ready: {self.log()[-3000:]}")
+                raise RuntimeError(f"smg did not become ready: {printed[-3000:]}")
             time.sleep(0.2)
 
     def log(self) -> str:
+        """What smg printed (until stop, which removes it)."""
         try:
             with open(self.log_path) as f:
                 return f.read()
@@ -71,6 +78,8 @@ class GatewayProc(ServerProc):
             return super().stop(timeout)
         finally:
             self._log.close()
+            if os.path.exists(self.log_path):
+                os.unlink(self.log_path)
 
     def routed(self, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict, str]:
         """POST through the gateway: (status, body, the worker URL it went to)."""

@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from html.parser import HTMLParser
 
 import pytest
@@ -94,6 +95,13 @@ def traffic(server, n: int, sessions: int = 3) -> None:
         assert server.post("/generate", body)[0] == 200
 
 
+def settle(server) -> None:
+    """Nothing running, waiting, or still being written to L3: no number moves."""
+    deadline = time.monotonic() + 30
+    while server.wait_idle()["uniradix_storage_pending_writes"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def check_against_metrics(server, dom: str) -> dict:
     """Each number the page shows is /metrics' series of the same name (the server idle,
     so nothing moves in between); returns {series: value} as shown."""
@@ -115,10 +123,10 @@ def check_against_metrics(server, dom: str) -> dict:
 @needs_browser
 def test_the_page_shows_what_metrics_says_before_and_after_traffic(server):
     url = f"http://127.0.0.1:{server.port}/dashboard"
-    server.wait_idle()
+    settle(server)
     before = check_against_metrics(server, browse(url))
     traffic(server, 12)
-    server.wait_idle()
+    settle(server)
     after = check_against_metrics(server, browse(url))
     assert after["uniradix_prompt_tokens_total"] > before["uniradix_prompt_tokens_total"]
     assert after['uniradix_cached_tokens_total{tier="device"}'] > 0 and after["uniradix_sessions_open"] >= 3

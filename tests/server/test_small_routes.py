@@ -174,9 +174,9 @@ def test_load_report_in_sglangs_shape(named):
         time.sleep(0.05)
     assert load["num_running_reqs"] == 1 and load["token_usage"] > 0 and load["num_used_tokens"] >= 199, load
     done.wait(60)
-    for bad in ("include=everything", "dp_rank=1"):
-        status, out, _ = named.get(f"/v1/loads?{bad}")
-        assert status == 400 and bad.split("=")[0] in out["error"]["message"], out
+    status, out, _ = named.get("/v1/loads?dp_rank=1")
+    assert status == 400 and "dp_rank" in out["error"]["message"], out
+    assert named.get("/v1/loads?include=a-section-of-a-later-sglang")[0] == 200   # the core numbers anyway
     # SGLang's newer metadata routes, and what owns the model, as its gateway reads them
     assert named.get("/server_info")[1]["max_total_tokens"] == 4096
     assert named.get("/model_info")[1]["is_generation"] is True

@@ -39,7 +39,8 @@ WORDS = ("cache", "prefix", "token", "layer", "window", "state", "page", "tier",
          "session", "round", "reply", "model", "batch", "queue", "memory", "attention", "recurrent")
 
 
-#: the per-tier split of cached tokens a server may report (uniradix's cached_tokens_details)
+#: the per-tier split of cached tokens a server may report (uniradix's cached_tokens_details,
+#: and its cached_tokens_cross_instance: the part of storage's another instance wrote)
 TIERS = ("device", "host", "storage", "cross_instance")
 
 
@@ -125,7 +126,8 @@ def one_request(a, conv: Conversation, client: int, rnd: int) -> Result:
                 if m.get("cached_tokens") is not None:
                     res.cached_tokens = m["cached_tokens"]
                 if isinstance(m.get("cached_tokens_details"), dict):
-                    res.tiers = {t: m["cached_tokens_details"].get(t, 0) for t in TIERS}
+                    res.tiers = {t: m["cached_tokens_details"].get(t, 0) for t in TIERS[:3]}
+                    res.tiers["cross_instance"] = m.get("cached_tokens_cross_instance", 0)
         else:
             body = {"model": a.model, "prompt": conv.text, "max_tokens": a.output_tokens, "temperature": 0,
                     "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}

@@ -161,7 +161,11 @@ class Admission:
             m = req.metrics
             m.cached_tokens, m.host_tokens, m.storage_tokens = b, st.host_tokens, b - st.prefix_len
             m.cross_instance_tokens = st.cross_instance_tokens
+            # every tier's count at the first admission only, as the cached tokens: a
+            # preempted request that reads L3 again is not counted twice
             self.counters["host_tokens"] += st.host_tokens
+            self.counters["storage_tokens"] += m.storage_tokens
+            self.counters["storage_cross_instance_tokens"] += m.cross_instance_tokens
             self.counters["cached_tokens"] += b
             self.counters["prompt_tokens"] += len(st.tokens)
         req.status = "running"

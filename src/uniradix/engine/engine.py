@@ -71,7 +71,7 @@ class Engine(Admission, Batching):
         self.running: list[RequestState] = []
         self.counters = dict(steps=0, finished=0, errors=0, aborted=0, preemptions=0, prefill_tokens=0, cached_tokens=0,
                              prompt_tokens=0, decode_tokens=0, checkpoints_skipped=0, host_tokens=0,
-                             shared_prefixes=0)
+                             storage_tokens=0, storage_cross_instance_tokens=0, shared_prefixes=0)
         self.holding = 0  # waiting requests held at the last admission for a prefix a running one computes
         self._queued = itertools.count(1)  # the order requests were queued in (in-batch sharing is FIFO)
         self.storage = None

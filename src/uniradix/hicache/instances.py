@@ -8,7 +8,8 @@ The backend interface has no listing, so announcements live in a fixed set of sl
 server takes a free slot with set-if-absent and reads it back (of two servers racing,
 one wins and the other takes the next), then rewrites its record every `beat_s`
 seconds with a beat count that grows. A record whose count has not moved for
-`stale_s` seconds, as this server watched it, is gone (no clocks compared across
+`stale_s` seconds (or six of its own announce intervals, which its record states,
+whichever is longer), as this server watched it, is gone (no clocks compared across
 machines); its slot may be taken over. A graceful stop deletes its own record.
 
 Records are checked objects (objects.py) under the namespace's seed, keyed by the
@@ -108,7 +109,7 @@ class Instances:
         now = time.monotonic()
         with self._lock:
             return [dict(rec, seen_s=round(now - moved, 1)) for rec, _, moved, alive in self._watched.values()
-                    if alive and now - moved < self.stale_s]
+                    if alive and now - moved < self._stale_after(rec)]
 
     def stats(self) -> dict:
         return {"this_instance": self.id, "slot": self.slot, "beats": self.beats, "errors": self.errors,
@@ -181,13 +182,15 @@ class Instances:
     def _take(self, records: list, now: float) -> int | None:
         """A slot for this server: a free one, else one whose record is stale."""
         with self._lock:
-            live = {i for i, (_, _, moved, _) in self._watched.items() if now - moved < self.stale_s}
+            live = {i for i, (rec, _, moved, _) in self._watched.items() if now - moved < self._stale_after(rec)}
         for i, rec in enumerate(records):
+            if rec is not None and rec.get("instance") == self.id:
+                return i   # its own record (a take whose read-back failed): still its slot
             if rec is not None and rec.get("instance") in live:
                 continue
             if rec is not None:   # a stale record, or one unseen long enough: take its place
                 w = self._watched.get(rec.get("instance"))
-                if w is None or now - w[2] < self.stale_s:
+                if w is None or now - w[2] < self._stale_after(rec):
                     continue   # not watched long enough to call it gone
                 self.backend.delete(self.keys[i])
             self.beats += 1
@@ -197,9 +200,15 @@ class Instances:
             self.beats -= 1
         return None
 
+    def _stale_after(self, rec: dict) -> float:
+        """Seconds without a beat after which `rec`'s instance is gone: stale_s, or six
+        of its own intervals when it announces more slowly (a fleet mixing intervals)."""
+        theirs = rec.get("beat_s")
+        return max(self.stale_s, 6 * theirs) if isinstance(theirs, (int, float)) and theirs > 0 else self.stale_s
+
     def _pack(self, i: int) -> bytes:
         with self._lock:
-            rec = dict(self.record, beat=self.beats)
+            rec = dict(self.record, beat=self.beats, beat_s=self.beat_s)
         data = json.dumps(rec, sort_keys=True).encode()
         if len(data) > RECORD_MAX:
             raise ValueError(f"an instance record is {len(data)} bytes, at most {RECORD_MAX}")

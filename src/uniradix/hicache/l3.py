@@ -114,8 +114,8 @@ class StorageTier:
         self.stuck: list = []  # reads abandoned while still running in the store
         self._idle = False  # the last step had nothing but prefetches to wait for (wait())
         self._reads = self._writes = None  # I/O threads, started when first needed
-        self.counters = dict(storage_tokens=0, storage_cross_instance_tokens=0, storage_errors=0,
-                             storage_prefetches=0, storage_prefetch_abandoned=0, storage_writes_dropped=0)
+        self.counters = dict(storage_errors=0, storage_prefetches=0, storage_prefetch_abandoned=0,
+                             storage_writes_dropped=0)
 
     @property
     def backend(self):
@@ -233,9 +233,7 @@ class StorageTier:
         else:  # no host tier, or no room there: straight into the device pages
             self.store.apply(got)
         cache.resumed_from(state, got.b)
-        self.counters["storage_tokens"] += got.b - b
-        state.cross_instance_tokens = got.cross_instance
-        self.counters["storage_cross_instance_tokens"] += got.cross_instance
+        state.cross_instance_tokens = got.cross_instance   # counted by the engine at admission
         return got.b
 
     def drop(self, state) -> None:
@@ -407,7 +405,7 @@ class StorageTier:
         self.store.close()
 
     #: what stats() reports, for an engine without a storage tier: all zero
-    IDLE = dict(storage_tokens=0, storage_cross_instance_tokens=0, storage_instances_seen=0, storage_errors=0,
+    IDLE = dict(storage_instances_seen=0, storage_errors=0,
                 storage_prefetches=0, storage_prefetch_abandoned=0,
                 storage_writes_dropped=0, storage_loads=0, storage_failed_loads=0, storage_saved_objects=0,
                 storage_pending_writes=0, storage_read_bytes=0, storage_written_bytes=0, storage_corrupt_objects=0,

@@ -32,6 +32,8 @@ from ..config import L3_SECRET_ENV as SECRET_ENV
 MAGIC = b"URXO"
 VERSION = 3
 KEYED = 1  # flags bit: the check is a MAC keyed by a secret
+#: the highest format taken for a newer build's (above it, a damaged version field)
+NEWEST_PLAUSIBLE = 15
 #: the writer of an object whose writer is not known (format 2 and 1, or not given)
 NO_WRITER = bytes(16)
 # magic, version, flags, key length, payload length, namespace digest (16), writer (16), check (32)
@@ -139,7 +141,7 @@ def unpack_with_writer(data: bytes | None, key: str, namespace: bytes,
         raise CorruptObject(key, "not a uniradix object")
     if version == 1:
         return _unpack_v1(data, key, namespace, secret), None
-    if version > VERSION:
+    if VERSION < version <= NEWEST_PLAUSIBLE:
         raise CorruptObject(key, f"format version {version}, newer than this build reads (1 to {VERSION})", NEWER)
     if version not in (2, VERSION):
         raise CorruptObject(key, f"format version {version}, this build reads 1 to {VERSION}")

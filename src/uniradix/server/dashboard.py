@@ -11,9 +11,12 @@ external assets), so it works offline. It carries no data: it is served without 
 API key, and its script asks for the key when /dashboard/data answers 401."""
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from importlib import resources
+
+log = logging.getLogger("uniradix.server")
 
 #: seconds between two samples of the history, and how many are kept (30 minutes)
 SAMPLE_S = 2.0
@@ -42,16 +45,26 @@ class History:
         self.interval = interval
         self.samples: deque = deque(maxlen=keep)
         self._next = 0.0
+        self._failed = False
 
     def tick(self, snapshot) -> None:
+        """On the scheduler thread: a sample when one is due. Never raises (a failure here
+        would end the scheduler's loop): the dashboard misses a sample, logged once."""
         now = time.monotonic()
         if now < self._next:
             return
         self._next = now + self.interval
-        self.record(self.metrics.values(snapshot()))
+        try:
+            self.record(self.metrics.values(snapshot()))
+        except Exception:
+            if not self._failed:
+                log.exception("the dashboard's history missed a sample (logged once)")
+            self._failed = True
 
     def record(self, values: dict) -> None:
-        self.samples.append({"t": round(time.time(), 3), **{k: values[s] for k, s in HISTORY_SERIES.items()}})
+        """`t`: wall-clock time, to show; `m`: monotonic seconds, for rates and windows."""
+        self.samples.append({"t": round(time.time(), 3), "m": round(time.monotonic(), 3),
+                             **{k: values[s] for k, s in HISTORY_SERIES.items()}})
 
 
 def dashboard_data(values: dict, history: History, engine, info: dict) -> dict:

@@ -144,11 +144,10 @@ def new_id(prefix: str = "") -> str:
 
 
 def cached_split(req) -> dict:
-    """Cached prompt tokens by the tier they came from; `cross_instance`: those of the
-    storage tier's that another instance wrote."""
+    """Cached prompt tokens by the tier they came from (they sum to cached_tokens)."""
     m = req.metrics
     return {"device": m.cached_tokens - m.host_tokens - m.storage_tokens, "host": m.host_tokens,
-            "storage": m.storage_tokens, "cross_instance": m.cross_instance_tokens}
+            "storage": m.storage_tokens}
 
 
 def finish_reason(req):

@@ -14,9 +14,6 @@ from __future__ import annotations
 import time
 from datetime import datetime, timezone
 
-#: the sections SGLang's include= names; this server has no speculative decoding, LoRA
-#: or disaggregation, and reports its core numbers whatever is asked
-SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 #: seconds of history the decode throughput is measured over
 THROUGHPUT_S = 10.0
 
@@ -43,8 +40,8 @@ def decode_throughput(samples) -> float | None:
     if len(samples) < 2:
         return None
     last = samples[-1]
-    first = next((s for s in reversed(samples) if last["t"] - s["t"] >= THROUGHPUT_S), samples[0])
-    dt = last["t"] - first["t"]
+    first = next((s for s in reversed(samples) if last["m"] - s["m"] >= THROUGHPUT_S), samples[0])
+    dt = last["m"] - first["m"]
     return (last["decode"] - first["decode"]) / dt if dt > 0 else None
 
 

@@ -20,7 +20,9 @@ def meta_info(job: Job, out: TextOut, done: bool) -> dict:
     m = req.metrics
     info = {"id": job.rid, "finish_reason": finish_reason(req) if done else None,
             "prompt_tokens": m.prompt_tokens, "completion_tokens": len(out.ids), "cached_tokens": m.cached_tokens,
-            "cached_tokens_details": cached_split(req)}
+            "cached_tokens_details": cached_split(req),
+            # of the storage tier's, those from objects another instance wrote (not a tier of its own)
+            "cached_tokens_cross_instance": m.cross_instance_tokens}
     if done and m.latency is not None:
         info["e2e_latency"] = m.latency
     if job.logprobs:

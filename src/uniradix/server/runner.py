@@ -164,7 +164,7 @@ class EngineRunner:
                     self._emit()
                 self.activity.tick()
                 if self.history is not None:
-                    self.history.tick(self.snapshot)
+                    self.history.tick(self.snapshot)   # never raises: only the dashboard would miss it
                 self._expire_sessions()
         except BaseException as e:  # a bug in the engine: every stream ends with it
             self.failure = e

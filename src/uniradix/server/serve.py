@@ -95,7 +95,7 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
     host, port = sock.getsockname()[:2]
     app.state.port = port  # --port 0: the one bound, for /get_server_info
     if engine.storage is not None:  # the others sharing its L3 see it, and it sees them
-        engine.storage.announce(model=model_name, url=f"http://{host}:{port}")
+        engine.storage.announce(model=model_name, url=_address(host, port))
     shown = {**engine_settings, **config.as_dict(), "port": port}
     logging.getLogger("uniradix.server").info("settings: %s", json.dumps(shown, default=str))
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal before uvicorn takes over stops it too
@@ -112,6 +112,14 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
             request_log.close()
     _say("uniradix serve: stopped")
     return 0 if runner.failure is None else 1
+
+
+def _address(host: str, port: int) -> str:
+    """The server's address as another machine would use it: the host name for an
+    unspecified bind address, an IPv6 address in brackets."""
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostname()
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _torch_threads() -> int:

@@ -23,8 +23,8 @@ class ServerConfig(Settings):
     host: str = setting("127.0.0.1", "address to listen on", check=text)
     port: int = setting(30000, "port to listen on (0: any free one; the address is printed at start-up)",
                         check=_port)
-    api_key: str | None = setting(None, "clients must send 'Authorization: Bearer KEY' (every route but /health and the "
-                                  "/dashboard page, which asks for the key to read its data)",
+    api_key: str | None = setting(None, "clients must send 'Authorization: Bearer KEY' (every route but /health and "
+                                  "the /dashboard page, which asks for the key to read its data)",
                                   check=optional(text), secret=True)
     served_model_name: tuple | None = setting(
         None, "the model's name(s) in the OpenAI API: requests may name any, answers give the first, another "
