@@ -273,7 +273,9 @@ def test_pressure_over_host_and_storage_stays_exact(make_engine, tmp_path, name)
         eng.close()
     s = eng.stats()
     assert s["errors"] == 0 and s["host_tokens"] > 0 and s["storage_tokens"] > 0
+    # counted once per request, at its first admission, preempted or not (it may read L3 again)
     assert sum(r.metrics.storage_tokens for r in reqs) == s["storage_tokens"]
+    assert sum(r.metrics.cross_instance_tokens for r in reqs) == s["storage_cross_instance_tokens"] == 0  # its own
     assert eng.cache.tree.host_evicted[0] > 0
 
 
