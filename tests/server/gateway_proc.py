@@ -6,18 +6,15 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import socket
 import subprocess
+import sys
 import tempfile
 import time
 
 from server_proc import ServerProc
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "hicache"))
+from service_process import free_port  # noqa: E402  (re-exported: the fleet benchmark takes it from here)
 
 
 def smg_binary() -> str | None:

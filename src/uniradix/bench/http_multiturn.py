@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -238,19 +239,12 @@ def _summary(rnd: int, results: list[Result], wall: float) -> dict:
     return {"round": rnd, "requests": len(results), "errors": len(results) - len(ok), "prompt_tokens": prompt,
             "cached_tokens": cached,
             "cached_by_tier": {t: sum(x[t] for x in split) for t in TIERS} if split else None,
-            "by_worker": _count(r.worker for r in results if r.worker) or None,
+            "by_worker": dict(Counter(r.worker for r in results if r.worker)) or None,
             "hit_rate": None if cached is None or not prompt else cached / prompt,
             "ttft_mean": statistics.fmean(ttfts) if ttfts else None,
             "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))] if ttfts else None,
             "input_tok_s": prompt / wall if wall > 0 else None,
             "first_error": next((r.error for r in results if r.error), None)}
-
-
-def _count(items) -> dict:
-    out: dict = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return out
 
 
 def _print(rows: list[dict], a, out) -> None:

@@ -44,12 +44,16 @@ RECORD_MAX = 2048
 ALONE_S = 60.0
 
 
+def fleet_namespace(ns: StorageNamespace) -> StorageNamespace:
+    """`ns` without its salt or binding: every tenant, every weight binding of a model's
+    name meets in one fleet."""
+    return StorageNamespace(ns.model, ns.page_size, ns.rank, weights=ns.weights)
+
+
 def slot_keys(ns: StorageNamespace, secret: bytes | None = None, slots: int = SLOTS) -> list[str]:
-    """Where a namespace's announcements live: one key per slot, from the namespace
-    without its salt or binding (every tenant, every weight binding of a model's name
-    meets here) and a digest of the secret."""
-    h = hashlib.sha256(b"uniradix-instances-v1\0" + StorageNamespace(ns.model, ns.page_size, ns.rank,
-                                                                     weights=ns.weights).seed())
+    """Where a namespace's announcements live: one key per slot, from its fleet
+    namespace and a digest of the secret."""
+    h = hashlib.sha256(b"uniradix-instances-v1\0" + fleet_namespace(ns).seed())
     if secret:
         h.update(hashlib.blake2b(secret, digest_size=16, person=b"urx-l3-instances").digest())
     base = h.digest()
@@ -71,8 +75,7 @@ class Instances:
                  alone_hint: str | None = None, alone_s: float = ALONE_S) -> None:
         self.backend = backend
         self.keys = slot_keys(namespace, secret, slots)
-        self.seed = StorageNamespace(namespace.model, namespace.page_size, namespace.rank,
-                                     weights=namespace.weights).seed()
+        self.seed = fleet_namespace(namespace).seed()
         self.secret = secret
         self.witness = witness
         self.id = instance.hex()

@@ -121,6 +121,12 @@ class StorageTier:
     def backend(self):
         return self.store.backend
 
+    def fleet(self) -> dict:
+        """This instance and the others alive in its namespace (none seen before announce)."""
+        if self.instances is None:
+            return {"this_instance": self.instance_id.hex(), "others": []}
+        return self.instances.stats()
+
     def announce(self, **info) -> "Instances":
         """Announce this instance in its namespace from now on, and watch for the others
         (instances.py); `info` joins its record. A server calls it; an engine used as a
@@ -429,10 +435,10 @@ class StorageTier:
         w = self.witness
         c["storage_witness_mismatch"] = 0 if w is None else w.mismatches
         c["storage_refused"] = int(self.refused)
-        c["storage_instances_seen"] = 0 if self.instances is None else len(self.instances.others())
+        fleet = self.fleet()
+        c["storage_instances_seen"] = len(fleet["others"])
         if w is not None:
             storage["witness"] = dict(state=w.state, stored_as=w.key, mine=w.mine, theirs=w.theirs)  # "key" would read as a secret
-        storage["instances"] = ({"this_instance": self.instance_id.hex()} if self.instances is None
-                                else self.instances.stats())
+        storage["instances"] = fleet
         c["storage"] = storage
         return c

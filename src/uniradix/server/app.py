@@ -116,29 +116,29 @@ def body_reader(config: ServerConfig, metrics: ServerMetrics):
     """The routes' reader of a request body (`read_body(request, empty_ok=False)`)."""
 
     async def read_body(request: HTTPRequest, empty_ok: bool = False):
-            """The body as JSON, parsed off the event loop (a large one takes a while). It
-            must arrive within --request-body-timeout (408, and the connection closes); a
-            client that leaves before it has is ClientDisconnect (client_left)."""
-            parts, size = [], 0
-            try:
-                async with asyncio.timeout(config.request_body_timeout):
-                    async for part in request.stream():
-                        parts.append(part)
-                        size += len(part)
-                        if size > config.max_request_bytes:
-                            raise BadRequest(f"the request body is over {config.max_request_bytes} bytes "
-                                             f"(--max-request-bytes)", 413)
-            except TimeoutError:
-                metrics.connections_closed.labels("body_timeout").inc()
-                raise BadRequest(f"the request body did not arrive within {config.request_body_timeout:g} seconds "
-                                 f"({size} bytes came; --request-body-timeout)", 408) from None
-            except ClientDisconnect:
-                raise ClientDisconnect(f"it left after {size} of {request.headers.get('content-length', '?')} "
-                                       f"body bytes") from None
-            raw = b"".join(parts)
-            if empty_ok and not raw.strip():
-                return {}
-            return await asyncio.to_thread(parse_json, raw)
+        """The body as JSON, parsed off the event loop (a large one takes a while). It
+        must arrive within --request-body-timeout (408, and the connection closes); a
+        client that leaves before it has is ClientDisconnect (client_left)."""
+        parts, size = [], 0
+        try:
+            async with asyncio.timeout(config.request_body_timeout):
+                async for part in request.stream():
+                    parts.append(part)
+                    size += len(part)
+                    if size > config.max_request_bytes:
+                        raise BadRequest(f"the request body is over {config.max_request_bytes} bytes "
+                                         f"(--max-request-bytes)", 413)
+        except TimeoutError:
+            metrics.connections_closed.labels("body_timeout").inc()
+            raise BadRequest(f"the request body did not arrive within {config.request_body_timeout:g} seconds "
+                             f"({size} bytes came; --request-body-timeout)", 408) from None
+        except ClientDisconnect:
+            raise ClientDisconnect(f"it left after {size} of {request.headers.get('content-length', '?')} "
+                                   f"body bytes") from None
+        raw = b"".join(parts)
+        if empty_ok and not raw.strip():
+            return {}
+        return await asyncio.to_thread(parse_json, raw)
     return read_body
 
 

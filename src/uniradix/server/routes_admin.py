@@ -101,9 +101,7 @@ def add_routes(app, jobs, read_body, engine_settings: dict, version: str) -> Non
         shown = {"version": version, **engine_settings, **config.as_dict(), "port": app.state.port,
                  "model_name": model_name,
                  # this server in its L3 namespace, and the other instances announcing themselves there
-                 "l3_instances": None if storage is None else (
-                     {"this_instance": storage.instance_id.hex(), "others": []} if storage.instances is None
-                     else {"this_instance": storage.instances.id, "others": storage.instances.others()})}
+                 "l3_instances": None if storage is None else storage.fleet()}
         return {k: redact_value("", v) for k, v in shown.items()}
 
     @app.get("/get_model_info")
