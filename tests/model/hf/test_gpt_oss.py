@@ -65,7 +65,8 @@ def test_gpt_oss_checkpoint_reaches_the_clamps(gpt_oss):
     m = load_checkpoint(gpt_oss)
     ids = torch.as_tensor([random.Random(0).randrange(8, V) for _ in range(40)])
     h = rms_norm(m.embed(ids), m.w("model.layers.0.post_attention_layernorm.weight"), m.eps)
-    gu = torch.einsum("nd,eid->eni", h, m.w("model.layers.0.mlp.experts.gate_up_proj"))  # held [E, out, in]
+    from uniradix.model.hf.gemm import unpack
+    gu = torch.einsum("nd,eid->eni", h, unpack(m.w("model.layers.0.mlp.experts.gate_up_proj")))  # [E, out, in]
     assert (gu[..., 0::2] > 7).any() and (gu[..., 1::2].abs() > 7).any()
 
 

@@ -1,4 +1,10 @@
-"""Nemotron-H (nemotron_h) from a checkpoint directory, exact against transformers."""
+"""Nemotron-H (nemotron_h) from a checkpoint directory, exact against transformers.
+
+The engine is the same bits as the model's own no-cache forward (harness.check_close);
+against transformers' float32 forward (whose Mamba2 scan runs chunk by chunk, in another
+order than our token loop), logits stay within MAMBA_TOL: measured up to 1.65e-4 of
+logits up to 3.7 on the tiny checkpoint's prompts, with the row-invariant kernels and
+with torch's alike, which is above harness.TOL."""
 import random
 
 import pytest
@@ -7,6 +13,7 @@ from harness import COMMON, TOL, Oracle, family_checks, save_tokenizer, toks
 pytest.importorskip("transformers")
 
 L, F = "linear_attention", "full_attention"
+MAMBA_TOL = 2.5e-4
 
 
 def config(kinds, **kw):
@@ -38,7 +45,7 @@ def nemotron(tmp_path_factory):
 
 @pytest.mark.parametrize("page", [1, 4, 16])
 def test_nemotron_h_is_exact_through_every_tier(nemotron, make_engine, tmp_path, page):
-    family_checks(nemotron, make_engine, tmp_path, page)
+    family_checks(nemotron, make_engine, tmp_path, page, MAMBA_TOL)
 
 
 def test_nemotron_h_layers_become_components(nemotron):

@@ -1,12 +1,12 @@
 """Lower precisions: bfloat16 and float16 weights, weight-only int8 and int4 linears.
 
-Inside each precision reuse stays exact: every family through every tier against its
-own no-cache forward at that precision (harness.family_checks with a dtype and a
-quantization). The forward at bfloat16 / float16 tracks transformers' at the same dtype
+Inside each precision reuse stays exact: every family through every tier gives the same
+bits as its own no-cache forward at that precision (harness.family_checks with a dtype
+and a quantization), since every product goes through the row-invariant kernels. The forward at bfloat16 / float16 tracks transformers' at the same dtype
 (what it keeps in float32 is what the family needs). The quantized weights and the one
 linear op: torch's kernels against the dequantized values, the shapes the kernels do
-not take, rows computed alike however many come together (what keeps reuse exact), the
-float32 path of a CPU without a fast float16 GEMM. What the L3 namespace sees of a
+not take, rows computed alike however many come together (what keeps reuse exact), and
+torch's paths where the kernels are switched off (within a bound, not bit for bit). What the L3 namespace sees of a
 precision, the setting and the flag. The distance of each precision from transformers'
 float32 on the real Gemma 3 270M is measured by benchmarks/precision.py (README)."""
 from __future__ import annotations
@@ -48,6 +48,36 @@ def test_reuse_is_exact_inside_each_precision(tiny, family, dtype, quantization,
         assert is_quantized(model.lm_head) and model.lm_head.scheme in ("int8", quantization)
         assert not is_quantized(model.w(model.embed_weight))  # the lookup stays dense
     family_checks(path, make_engine, tmp_path, 4, dtype=dtype, quantization=quantization)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("family", list(TINY))
+def test_the_cache_off_engine_agrees_with_itself_however_a_prompt_is_cut(tiny, family, dtype, make_engine):
+    """With reuse off, the same requests through chunks of 3, 7 and 64 tokens, alone and
+    beside others, give the same bits (issue 29: 4 of 14 chunk-size pairs were bit-equal
+    in float16): attention over a chunk equals attention over the cache, and the
+    recurrences reach the same state however the prompt is cut."""
+    from engine_checks import greedy, run_checked
+    from harness import bit_exact
+    from uniradix.model.hf import load_checkpoint
+    if not bit_exact():
+        pytest.skip("the row-invariant kernels are switched off")
+    model = load_checkpoint(tiny(family), dtype)
+    rng = random.Random(11)
+    prompts = [toks(rng, n) for n in (29, 13, 41)]
+    runs = []
+    for chunk, together in ((3, False), (7, True), (64, True), (64, False)):
+        eng = make_engine(model, page_size=4, chunked_prefill_size=chunk, disable_radix_cache=True)
+        reqs = [greedy(p, 5) for p in prompts]
+        if together:
+            run_checked(eng, reqs)
+        else:
+            for r in reqs:
+                run_checked(eng, [r])
+        runs.append([(r.output_ids, torch.stack(r.logits)) for r in reqs])
+    for other in runs[1:]:
+        for (ids_a, logits_a), (ids_b, logits_b) in zip(runs[0], other):
+            assert ids_a == ids_b and torch.equal(logits_a, logits_b)
 
 
 @pytest.mark.parametrize("family", list(TINY))
@@ -168,14 +198,19 @@ def test_expert_stacks_and_bad_input():
 
 
 def test_float16_without_a_fast_gemm_multiplies_in_float32(monkeypatch):
-    """On a CPU without AVX512-FP16 / AMX-FP16, torch's float16 GEMM is a scalar loop
-    (10x bfloat16's): more than one row multiplies in float32 and rounds once; one row
-    keeps float16 (its matrix-vector path is fast)."""
+    """Where the row-invariant kernels are switched off (torch's kernels): on a CPU without
+    AVX512-FP16 / AMX-FP16, torch's float16 GEMM is a scalar loop (10x bfloat16's), so
+    more than one row multiplies in float32 and rounds once; one row keeps float16 (its
+    matrix-vector path is fast). With the kernels, every row count is one path."""
+    from uniradix.model import kernels
     from uniradix.model.hf import gemm
     from uniradix.model.hf.ops import linear
     torch.manual_seed(3)
     w, b = torch.randn(48, 64).half(), torch.randn(48).half()
     x = torch.randn(5, 64).half()
+    if kernels.available():
+        assert torch.equal(torch.cat([linear(x[i:i + 1], w, b) for i in range(5)]), linear(x, w, b))
+    monkeypatch.setattr(kernels, "available", lambda: False)
     monkeypatch.setattr(gemm, "fast_cpu_gemm", lambda dtype: False)
     assert gemm.gemm_dtype(torch.float16, torch.device("cpu")) == torch.float32
     assert gemm.gemm_dtype(torch.float16, torch.device("meta")) == torch.float16  # a GPU multiplies natively
@@ -187,14 +222,20 @@ def test_float16_without_a_fast_gemm_multiplies_in_float32(monkeypatch):
 
 @pytest.mark.parametrize("fast", [True, False], ids=["16-bit-gemm", "float32-gemm"])
 @pytest.mark.parametrize("family", ["gemma3", "qwen3_next"])
-def test_bfloat16_reuse_is_exact_on_either_gemm_path(tiny, family, fast, monkeypatch, make_engine, tmp_path):
-    """Both paths a CPU may take (AVX512-BF16 / AMX: bfloat16 products; any other CPU:
-    float32 products for more than one row), whichever this machine has: reuse from
-    every tier stays within the precision's bound of the same model's no-cache forward."""
+def test_torchs_kernels_keep_reuse_within_the_precisions_bound(tiny, family, fast, monkeypatch, make_engine,
+                                                                 tmp_path):
+    """With the row-invariant kernels switched off (UNIRADIX_KERNELS=torch, no compiler),
+    on both paths a CPU may take (AVX512-BF16 / AMX: bfloat16 products; any other CPU:
+    float32 products for more than one row), reuse from every tier stays within the
+    precision's bound of the same model's no-cache forward: the rows depend on their
+    neighbours, which is what the kernels remove."""
+    from uniradix.model import kernels
     from uniradix.model.hf import gemm, load_checkpoint
+    monkeypatch.setattr(kernels, "available", lambda: False)
     monkeypatch.setattr(gemm, "fast_cpu_gemm", lambda dtype: fast)
     assert gemm.gemm_dtype(torch.bfloat16, torch.device("cpu")) == (torch.bfloat16 if fast else torch.float32)
-    assert load_checkpoint(tiny(family), torch.bfloat16).dtype == torch.bfloat16
+    model = load_checkpoint(tiny(family), torch.bfloat16)
+    assert not any(isinstance(w, (kernels.PackedWeight, kernels.PackedExperts)) for w in model.weights.values())
     family_checks(tiny(family), make_engine, tmp_path, 4, dtype=torch.bfloat16)
 
 
@@ -324,24 +365,51 @@ def test_float16_keeps_the_residual_stream_in_float32(tiny):
     assert load_checkpoint(path, torch.bfloat16).residual_dtype == torch.bfloat16  # float32's range: no need
 
 
-# ---------------------------------------------------------------------------- oneDNN's packed weights
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_next", "gpt_oss", "granite_hybrid"])
-def test_packed_linears_are_exact_through_every_tier(tiny, family, dtype, monkeypatch, make_engine, tmp_path):
-    """The tiny checkpoints' weights are too small to be packed (gemm.PACK_MIN_ELEMENTS);
-    with the floor at 0 every linear weight and the head are packed for oneDNN, and every
-    tier check holds: against transformers in float32, against the same model's no-cache
-    forward in bfloat16. The packed weights hold the dense values (the witness reads
-    them back alike)."""
-    from uniradix.model import weights_witness
-    from uniradix.model.hf import gemm, load_checkpoint
-    dense = load_checkpoint(tiny(family), dtype)
-    monkeypatch.setattr(gemm, "PACK_MIN_ELEMENTS", 0)
-    if not gemm.packable(torch.zeros(2, 2, dtype=dtype)):
-        pytest.skip(f"this CPU has no fast {dtype} product for oneDNN")
+# ---------------------------------------------------------------------------- packed weights
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_next", "gpt_oss", "nemotron_h"])
+def test_every_product_goes_through_the_row_invariant_kernels(tiny, family, dtype):
+    """At load every linear weight, router, expert stack and the head (a tied one as a
+    copy of its own) is packed for the kernels, whatever its size and dtype; the packed
+    weights hold the dense values (the witness reads them back alike)."""
+    from uniradix.model import kernels, weights_witness
+    from uniradix.model.hf import load_checkpoint
+    if not kernels.available():
+        pytest.skip(kernels.describe())
     model = load_checkpoint(tiny(family), dtype)
+    for name, w in model.weights.items():
+        if name == model.embed_weight or not isinstance(w, torch.Tensor):
+            continue
+        multiplied = w.is_floating_point() and ((w.dim() == 2 and name.endswith(".weight")) or name.endswith(
+            model.expert_stacks))
+        assert not multiplied, f"{name} {tuple(w.shape)} was left dense"
+    assert isinstance(model.lm_head, kernels.PackedWeight) and model.lm_head.dtype == dtype
+    packed = [w for w in model.weights.values() if isinstance(w, (kernels.PackedWeight, kernels.PackedExperts))]
+    assert packed and all(w.dtype == dtype for w in packed)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(kernels, "available", lambda: False)
+        m.setattr("uniradix.model.hf.gemm.PACK_MIN_ELEMENTS", 1 << 40)
+        plain = load_checkpoint(tiny(family), dtype)
+    assert weights_witness(model.weights) == weights_witness(plain.weights)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_next", "gpt_oss", "granite_hybrid"])
+def test_onednn_packed_linears_stay_within_the_bound_without_the_kernels(tiny, family, monkeypatch, make_engine,
+                                                                         tmp_path):
+    """Without the kernels, on the CPU linears go through oneDNN's packed weights where
+    it multiplies the dtype fast (float32 here; the tiny weights are below
+    gemm.PACK_MIN_ELEMENTS, so the floor goes to 0): every tier check holds, against
+    transformers in float32 and within the bound of the no-cache forward."""
+    from uniradix.model import kernels, weights_witness
+    from uniradix.model.hf import gemm, load_checkpoint
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    dense = load_checkpoint(tiny(family))
+    monkeypatch.setattr(gemm, "PACK_MIN_ELEMENTS", 0)
+    if not gemm.packable(torch.zeros(2, 2)):
+        pytest.skip("this CPU's oneDNN has no float32 product")
+    model = load_checkpoint(tiny(family))
     packed = [n for n in model.linear_weights() if model.weights[n].layout == torch._mkldnn]
     assert packed and model.lm_head.layout == torch._mkldnn
     assert all(dense.weights[n].layout == torch.strided for n in packed)
     assert weights_witness(model.weights) == weights_witness(dense.weights)
-    family_checks(tiny(family), make_engine, tmp_path, 4, dtype=dtype)
+    family_checks(tiny(family), make_engine, tmp_path, 4)

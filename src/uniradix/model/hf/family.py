@@ -21,7 +21,8 @@ from ..paged import head_rows
 from .checkpoint import Checkpoint
 from .config_forms import FULL, HYBRID, LINEAR, SLIDING, ConfigError, Layer, layer_count, listed_kinds, single_rope, \
     with_defaults
-from .gemm import pack, unpack
+from .. import kernels
+from .gemm import is_packed, pack, unpack
 from .ops import Batch, rope_inv_freq
 from .quant import check_scheme, quantize, stored_scheme
 
@@ -387,17 +388,20 @@ class HFModel(PagedModel):
         return self
 
     def pack_linears(self) -> "HFModel":
-        """Every dense linear weight, the head included, in oneDNN's layout where this CPU
-        multiplies its dtype fast (gemm.pack: 2-3x faster float32 products). The values
-        stay the weights' own (the witness reads them back); a tied head gets a packed
-        copy of its own. Quantized weights and expert stacks keep their forms."""
+        """Every dense linear weight, the head, routers and expert stacks included, in the
+        form the CPU multiplies it by (gemm.pack: the row-invariant kernels' panels where
+        they are built; else oneDNN's layout where this CPU multiplies the dtype fast). The
+        values stay the weights' own (the witness reads them back); a tied head gets a
+        packed copy of its own. Quantized weights keep their forms."""
         if not self.packs:
             return self
-        for name in self.linear_weights():
+        routers = [n for n, t in self.weights.items() if isinstance(t, torch.Tensor) and t.dim() == 2
+                   and t.is_floating_point() and n.endswith(self.dense_weights)] if kernels.available() else []
+        for name in self.linear_weights() + routers:
             self.weights[name] = pack(self.weights[name])
         if "lm_head.weight" not in self.weights and self._packed_head is None:
             head = pack(self.w(self.embed_weight))
-            self._packed_head = head if head.layout == torch._mkldnn else None
+            self._packed_head = head if is_packed(head) else None
         return self
 
     @property

@@ -1,4 +1,17 @@
-"""Dense matrix products in the dtype this machine multiplies fast.
+"""Dense matrix products.
+
+On the CPU, where the row-invariant kernels are built (model/kernels: every output one
+chain of float32 fused multiply-adds in input order, whatever the weight's dtype and
+however many rows come together), every dense weight is packed for them at load (`pack`:
+a kernels.PackedWeight, or PackedExperts for an expert stack) and `dense()` multiplies
+by them: a token's row is the same bits in a decode step, a prefill chunk and the
+no-cache forward, in float32, bfloat16 and float16 alike, and 16-bit weights are read
+as stored, converted in registers. A plain CPU weight reaching `dense()` is packed on
+the way (kept, so once per weight).
+
+Without them (no C compiler, UNIRADIX_KERNELS=torch, another device), what follows holds:
+torch's kernels in the dtype this machine multiplies fast, whose rows depend on the rows
+beside them.
 
 torch's CPU GEMM for a 16-bit dtype is fast only where the CPU has the instructions
 oneDNN uses for it: bfloat16 with AVX512-BF16 or AMX, float16 only with AVX512-FP16 or
@@ -25,10 +38,17 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
+
 
 def dense(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, b) in x's dtype, multiplied in gemm_dtype (a packed weight: by
-    oneDNN, in its dtype)."""
+    oneDNN, in its dtype; a kernels.PackedWeight, or any CPU weight where the kernels are
+    built: by the row-invariant kernel)."""
+    if isinstance(w, kernels.PackedWeight):
+        return kernels.linear(x, w, b)
+    if _kernel_weight(w, x):
+        return kernels.linear(x, _packed_on_the_way(w), b)
     if w.layout == torch._mkldnn:
         y = torch.ops.mkldnn._linear_pointwise(x.to(w.dtype), w, None if b is None else b.to(w.dtype), "none", [], "")
         return y.to(x.dtype)
@@ -39,9 +59,37 @@ def dense(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> to
     return y.to(x.dtype)
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """W [out, in] in oneDNN's layout for its linear kernel, where that is fast (a CPU
-    tensor in float32, or a 16-bit dtype this CPU multiplies natively); else W itself."""
+def _kernel_weight(w, x) -> bool:
+    """Whether the row-invariant kernel multiplies by W (a CPU weight of a dtype it reads)."""
+    return (isinstance(w, torch.Tensor) and w.layout == torch.strided and w.dim() == 2 and w.device.type == "cpu"
+            and x.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and kernels.available())
+
+
+_PACKED: dict = {}
+
+
+def _packed_on_the_way(w: torch.Tensor) -> "kernels.PackedWeight":
+    """A weight that was not packed at load, packed once and kept (by the tensor itself:
+    a weight replaced gets its own)."""
+    key = (id(w), w.data_ptr(), tuple(w.shape), w.dtype)
+    hit = _PACKED.get(key)
+    if hit is None or hit[0] is not w:
+        if len(_PACKED) > 4096:  # weights of models long gone
+            _PACKED.clear()
+        hit = _PACKED[key] = (w, kernels.PackedWeight(w))
+    return hit[1]
+
+
+def pack(w: torch.Tensor):
+    """W [out, in] (or an expert stack [experts, out, in]) in the form the CPU multiplies
+    it by: for the row-invariant kernels where they are built (any size, float32 or a
+    16-bit dtype); else in oneDNN's layout for its linear kernel, where that is fast (a
+    CPU tensor in float32, or a 16-bit dtype this CPU multiplies natively); else W itself."""
+    if isinstance(w, torch.Tensor) and w.layout == torch.strided and w.device.type == "cpu" \
+            and w.dtype in (torch.float32, torch.bfloat16, torch.float16) and w.dim() in (2, 3) \
+            and kernels.available():
+        return kernels.PackedWeight(w) if w.dim() == 2 else kernels.PackedExperts(w)
     if not packable(w):
         return w
     try:
@@ -66,7 +114,15 @@ def packable(w) -> bool:
 
 def unpack(w):
     """A packed weight as the dense tensor it holds; anything else as it is."""
+    if isinstance(w, (kernels.PackedWeight, kernels.PackedExperts)):
+        return w.dense()
     return w.to_dense() if isinstance(w, torch.Tensor) and w.layout == torch._mkldnn else w
+
+
+def is_packed(w) -> bool:
+    """Whether W is in a packed form (the kernels' or oneDNN's)."""
+    return isinstance(w, (kernels.PackedWeight, kernels.PackedExperts)) or \
+        (isinstance(w, torch.Tensor) and w.layout == torch._mkldnn)
 
 
 def gemm_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -101,4 +157,4 @@ def _cpu_flags() -> set:
     return set()
 
 
-__all__ = ["dense", "pack", "packable", "unpack", "gemm_dtype", "fast_cpu_gemm"]
+__all__ = ["dense", "pack", "packable", "unpack", "is_packed", "gemm_dtype", "fast_cpu_gemm"]

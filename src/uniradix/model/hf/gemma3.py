@@ -12,11 +12,10 @@ Gemma3TextConfig's defaults (below) fill it."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .config_forms import FULL, SLIDING, ConfigError, every_nth, rope_dict, rope_setup
 from .family import HFModel
-from .ops import linear, paged_attention, rms_norm
+from .ops import gelu_tanh, linear, paged_attention, rms_norm, tanh
 
 #: Gemma3TextConfig's defaults (transformers 5.24) for the keys read here
 TEXT_DEFAULTS = {
@@ -112,7 +111,7 @@ class Gemma3(HFModel):
         a = self._proj(a.reshape(N, -1), p + "self_attn.o_proj")
         x = x + rms_norm(a, w(p + "post_attention_layernorm.weight"), self.eps, 1.0, dtype=x.dtype)
         h = rms_norm(x, w(p + "pre_feedforward_layernorm.weight"), self.eps, 1.0, dtype=self.dtype)
-        g = F.gelu(linear(h, w(p + "mlp.gate_proj.weight")), approximate="tanh")
+        g = gelu_tanh(linear(h, w(p + "mlp.gate_proj.weight")))
         m = linear(g * linear(h, w(p + "mlp.up_proj.weight")), w(p + "mlp.down_proj.weight"))
         return x + rms_norm(m, w(p + "post_feedforward_layernorm.weight"), self.eps, 1.0, dtype=x.dtype)
 
@@ -123,5 +122,5 @@ class Gemma3(HFModel):
     def head(self, x):
         logits = linear(rms_norm(x, self.w("model.norm.weight"), self.eps, 1.0, dtype=self.dtype), self.tied_head())
         if self.final_softcap is not None:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+            logits = tanh(logits / self.final_softcap) * self.final_softcap
         return logits

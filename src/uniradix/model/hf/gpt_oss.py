@@ -16,8 +16,7 @@ import torch
 
 from .config_forms import FULL, SLIDING, layer_count, single_rope
 from .family import HFModel
-from .ops import FEW_TOKENS, linear, paged_attention, rms_norm
-from .quant import is_quantized
+from .ops import linear, paged_attention, rms_norm, sigmoid
 
 #: the 16 values of an FP4 (E2M1) code, sign bit highest
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -136,10 +135,8 @@ class GptOss(HFModel):
         weights = top.softmax(-1)
         gate_up, gate_up_b = w(p + "experts.gate_up_proj"), w(p + "experts.gate_up_proj_bias")
         down, down_b = w(p + "experts.down_proj"), w(p + "experts.down_proj_bias")
-        if h.shape[0] <= FEW_TOKENS and not is_quantized(gate_up):  # each token's experts gathered: one call
-            gu = torch.einsum("nd,nkid->nki", h, gate_up[idx]) + gate_up_b[idx]
-            y = torch.einsum("nki,nkdi->nkd", self._glu(gu), down[idx]) + down_b[idx]
-            return (y * weights[..., None]).sum(1).to(h.dtype)
+        # expert by expert, ascending: a token's sum is in the same order whatever tokens
+        # come with it
         out = torch.zeros_like(h)
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
@@ -151,7 +148,7 @@ class GptOss(HFModel):
         """The clamped SwiGLU over interleaved gate/up columns."""
         gate = gu[..., 0::2].clamp(max=self.limit)
         up = gu[..., 1::2].clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return (up + 1) * (gate * sigmoid(gate * self.alpha))
 
     def head(self, x):
         return linear(rms_norm(x, self.w("model.norm.weight"), self.eps, dtype=self.dtype), self.tied_head())

@@ -7,22 +7,24 @@ The Mamba2 mixer lives here and Nemotron-H imports it: in_proj to (z, xBC, dt), 
 depthwise causal conv over xBC (the pool keeps its last K-1 inputs), SiLU, the selective
 scan with dt = clamp(softplus(dt + dt_bias)), A = -exp(A_log), a float32 state
 [heads, head_dim, d_state] per request and the D skip, then the grouped RMSNorm gated by
-SiLU(z) and out_proj. A decode step advances the state one token; a longer piece runs
-the scan in chunks of SCAN_CHUNK tokens in closed form (the state-space dual: within a
-chunk every output is a decay-weighted sum over the chunk's inputs plus the decayed
-state it entered with), so any split of a sequence (chunked prefill, captures, a resumed
-checkpoint) reaches the state of the whole of it up to float32 rounding."""
+SiLU(z) and out_proj. The scan runs token by token in the row-invariant kernel
+(model/kernels), so any split of a sequence (chunked prefill, captures, a resumed
+checkpoint, a decode step) reaches the same state bit for bit. Without the kernels, a
+decode step advances the state one token and a longer piece runs the scan in chunks of
+SCAN_CHUNK tokens in closed form (the state-space dual: within a chunk every output is a
+decay-weighted sum over the chunk's inputs plus the decayed state it entered with),
+equal to the token loop up to float32 rounding."""
 from __future__ import annotations
 
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ...specs import RecurrentShape
 from .config_forms import FULL, LINEAR, ConfigError, layer_count
 from .family import RECURRENT, HFModel
-from .ops import causal_conv, linear, paged_attention, rms_norm_llama, run_recurrent
+from .. import kernels
+from .ops import causal_conv, exp, linear, paged_attention, rms_norm_llama, run_recurrent, silu, softplus
 
 
 def config_float(v, default: float | None = None) -> float | None:
@@ -115,9 +117,14 @@ class Mamba2:
         x = xbc[..., :self.inner].float().view(Bn, T, H, P)
         B = xbc[..., self.inner:self.inner + G * N].float().view(Bn, T, G, N).repeat_interleave(H // G, dim=2)
         C = xbc[..., self.inner + G * N:].float().view(Bn, T, G, N).repeat_interleave(H // G, dim=2)
-        dt = F.softplus(dt + self.w("dt_bias").to(dt.dtype))
+        dt = softplus(dt + self.w("dt_bias").to(dt.dtype))
         dt = torch.clamp(dt, min=self.dt_lo, max=self.dt_hi).float()  # [Bn, T, H]
-        log_decay = dt * -torch.exp(self.w("A_log").float())  # [Bn, T, H]; A = -exp(A_log)
+        A = -exp(self.w("A_log").float())
+        if x.device.type == "cpu" and kernels.available():  # row-invariant, token by token, in C
+            y, s = kernels.ssm_scan(x, dt, A, B, C, ssm)
+            y = y + self.w("D").float()[:, None] * x
+            return y.reshape(Bn, T, H * P), (conv_state, s.to(ssm.dtype))
+        log_decay = dt * A  # [Bn, T, H]
         xdt = x * dt[..., None]  # [Bn, T, H, P]
         s = ssm.float()
         if T == 1:
@@ -130,7 +137,7 @@ class Mamba2:
 
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each group of y * SiLU(z), in float32, scaled by the weight."""
-        g = y.float() * F.silu(z.float())
+        g = y.float() * silu(z.float())
         g = g.view(g.shape[0], self.groups, -1)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.w("norm.weight").float() * g.reshape(y.shape[0], -1)
@@ -234,7 +241,7 @@ class GraniteHybrid(HFModel):
 
     def shared_mlp(self, p, h):
         gate, up = linear(h, self.w(p + "input_linear.weight")).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, self.w(p + "output_linear.weight"))
+        return linear(silu(gate) * up, self.w(p + "output_linear.weight"))
 
     def moe(self, p, h):
         """Top-k of the router's logits, softmax over those k, SwiGLU experts."""
@@ -254,7 +261,7 @@ class GraniteHybrid(HFModel):
         for e in idx.unique().tolist():
             rows, slot = torch.where(idx == e)
             gate, up = linear(h[rows], gate_up[e]).chunk(2, dim=-1)
-            y = linear(F.silu(gate) * up, down[e]) * weights[rows, slot, None]
+            y = linear(silu(gate) * up, down[e]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
 

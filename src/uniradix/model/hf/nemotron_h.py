@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from .config_forms import FULL, LINEAR, MLP, MOE, ConfigError, listed_kinds, pattern_kinds
 from .family import RECURRENT, HFModel
 from .granite_hybrid import Mamba2, config_float
-from .ops import linear, paged_attention, rms_norm
+from .gemm import is_packed
+from .ops import linear, paged_attention, rms_norm, sigmoid
 
 
 def relu2(x: torch.Tensor) -> torch.Tensor:
@@ -145,8 +146,9 @@ class NemotronH(HFModel):
     def route(self, p, h):
         """Sigmoid scores; the top-k chosen (with the correction bias) among the best
         topk_group groups; their scores (without it), normalised, scaled."""
-        logits = linear(h.float(), self.w(p + "gate.weight").float())
-        scores = logits.sigmoid()
+        gate = self.w(p + "gate.weight")  # in float32 (a packed weight multiplies in float32 as it is)
+        logits = linear(h.float(), gate if is_packed(gate) else gate.float())
+        scores = sigmoid(logits)
         bias = self.weights.get(p + "gate.e_score_correction_bias")
         choice = scores + bias.float() if bias is not None else scores
         E, G = self.n_experts, self.n_group

@@ -1,9 +1,17 @@
 """The paged building blocks every family's forward is made of: the one linear op every
-projection goes through (dense weights in any dtype, quantized ones: quant.py), norms
-and RoPE as the Hugging Face implementations compute them, attention that writes new K/V into a
-component's pages and reads each request's keys back from them, and a recurrent runner
-that advances each request's state in its slot, copying it out at captures and
-committing only after the last layer.
+projection goes through (dense weights in any dtype, quantized ones: quant.py), the
+elementwise activations, norms and RoPE as the Hugging Face implementations compute
+them, attention that writes new K/V into a component's pages and reads each request's
+keys back from them, and a recurrent runner that advances each request's state in its
+slot, copying it out at captures and committing only after the last layer.
+
+Every op gives a row the same bits whatever rows are computed beside it (a decode step,
+a prefill chunk of any size, the no-cache forward): products, activations, attention and
+the recurrences through the row-invariant kernels (model/kernels) on the CPU; norms and
+other reductions row by row over the last dimension (torch computes each row alone);
+RoPE's cos and sin from a table made in fixed blocks of positions (torch's cos and sin
+round a value differently in the vector body and the tail of a call, so a position's
+value must not depend on which positions share its call).
 
 A `Batch` holds one forward's requests: their tokens' positions, where each request's
 rows sit in the flattened batch, the spans of pages each KV component reads, and the
@@ -15,14 +23,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import kernels
 from ..paged import PagedInput
 from .gemm import dense
 from .quant import is_quantized
-
-
-#: a batch of at most this many tokens (decode) runs its MoE experts gathered per token,
-#: in one call, rather than looping over the experts it uses
-FEW_TOKENS = 16
 
 
 # ---------------------------------------------------------------------------- linear
@@ -35,6 +39,38 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         y = w.linear(x)
         return y if b is None else y + b
     return dense(x, w, b)
+
+
+# ---------------------------------------------------------------------------- activations
+def _kernel(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and kernels.available()
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x), computed in float32 and rounded to x's dtype."""
+    return kernels.elementwise("silu", x) if _kernel(x) else F.silu(x)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return kernels.elementwise("sigmoid", x) if _kernel(x) else torch.sigmoid(x)
+
+
+def softplus(x: torch.Tensor, threshold: float = 20.0) -> torch.Tensor:
+    """log(1 + e^x), x itself above `threshold` (torch's softplus, beta 1)."""
+    return kernels.elementwise("softplus", x, threshold) if _kernel(x) else F.softplus(x, threshold=threshold)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation (gelu_pytorch_tanh)."""
+    return kernels.elementwise("gelu_tanh", x) if _kernel(x) else F.gelu(x, approximate="tanh")
+
+
+def tanh(x: torch.Tensor) -> torch.Tensor:
+    return kernels.elementwise("tanh", x) if _kernel(x) else torch.tanh(x)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    return kernels.elementwise("exp", x) if _kernel(x) else torch.exp(x)
 
 
 # ---------------------------------------------------------------------------- norms
@@ -121,10 +157,50 @@ def _yarn(params, inv, dim, base, max_positions):
 
 
 def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype) -> tuple:
-    """cos and sin [N, rot] at positions `pos` (the halves duplicated, as HF lays them)."""
-    freqs = pos[:, None].float() * inv_freq.to(pos.device)[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+    """cos and sin [N, rot] at positions `pos` (the halves duplicated, as HF lays them),
+    read from the table of (inv_freq, scaling): the same bits for a position whatever
+    positions come with it."""
+    cos, sin = _rope_table(inv_freq, scaling, pos.device).upto(int(pos.max()) + 1)
+    cos, sin = cos.index_select(0, pos), sin.index_select(0, pos)
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
+
+
+#: positions per block of a RoPE table: each block is computed by one call of one shape,
+#: so a position's cos and sin never depend on which call asked first
+ROPE_BLOCK = 1024
+
+
+class _RopeTable:
+    """cos(p f) * scaling and sin(p f) * scaling in float32 for positions [0, len), grown
+    a block at a time (blocks already made never change)."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, device) -> None:
+        self.inv_freq, self.scaling, self.device = inv_freq.float().to(device), scaling, device
+        self.cos = self.sin = torch.empty(0, inv_freq.shape[0], device=device)
+
+    def upto(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cos.shape[0] < n:
+            blocks_c, blocks_s = [self.cos], [self.sin]
+            for lo in range(self.cos.shape[0], n, ROPE_BLOCK):
+                pos = torch.arange(lo, lo + ROPE_BLOCK, device=self.device, dtype=torch.float32)
+                freqs = pos[:, None] * self.inv_freq[None, :]
+                blocks_c.append(freqs.cos() * self.scaling)
+                blocks_s.append(freqs.sin() * self.scaling)
+            self.cos, self.sin = torch.cat(blocks_c), torch.cat(blocks_s)
+        return self.cos, self.sin
+
+
+_ROPE_TABLES: dict = {}
+
+
+def _rope_table(inv_freq: torch.Tensor, scaling: float, device) -> _RopeTable:
+    key = (id(inv_freq), scaling, str(device))
+    hit = _ROPE_TABLES.get(key)
+    if hit is None or hit[0] is not inv_freq:
+        if len(_ROPE_TABLES) > 256:  # tables of models long gone
+            _ROPE_TABLES.clear()
+        hit = _ROPE_TABLES[key] = (inv_freq, _RopeTable(inv_freq, scaling, device))
+    return hit[1]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -195,11 +271,13 @@ class Batch:
 
 class _Plan:
     """One KV component's view of a batch: the flat pool slot (page * page_size + offset)
-    of every new token, and the attention groups: every single-token request (decode) in
-    one group, padded to its longest key span, each longer request in a group of its own.
-    Groups are built once per forward and serve every layer."""
+    of every new token, and where each query's keys are: for the row-invariant kernel,
+    each request's key slots in position order and, per query row, the first of them it
+    reads and how many; for torch's attention, the groups: every single-token request
+    (decode) in one group, padded to its longest key span, each longer request in a group
+    of its own. Made once per forward; it serves every layer."""
 
-    __slots__ = ("write", "groups")
+    __slots__ = ("write", "groups", "keys", "first", "count")
 
     def __init__(self, batch: Batch, spec) -> None:
         P = batch.pools[spec.name].page_size
@@ -212,6 +290,19 @@ class _Plan:
             spans.append((r, lo, slots))
         self.write = torch.cat(writes)
         self.groups = []
+        self.keys = self.first = self.count = None
+        if _kernel(self.write):
+            # query at p reads keys max(lo, first_key(p)) .. p of its request's span
+            self.keys = torch.cat([slots for _, _, slots in spans])
+            firsts, counts, offset = [], [], 0
+            for r, lo, slots in spans:
+                pos = batch.pos[batch.bounds[r]:batch.bounds[r + 1]]
+                first = torch.clamp(torch.as_tensor(spec.first_key(pos), device=dev), min=lo).expand_as(pos)
+                firsts.append(first - lo + offset)
+                counts.append(pos - first + 1)
+                offset += len(slots)
+            self.first, self.count = torch.cat(firsts), torch.cat(counts)
+            return
         singles = [sp for sp in spans if batch.lens[sp[0]] == 1]
         if singles:
             S = max(len(slots) for _, _, slots in singles)
@@ -300,6 +391,8 @@ def paged_attention(batch: Batch, spec, layer: int, q: torch.Tensor, k: torch.Te
     plan = batch.plan(spec)
     kp.index_copy_(0, plan.write, k.to(kp.dtype))
     vp.index_copy_(0, plan.write, v.to(vp.dtype))
+    if plan.keys is not None:  # the row-invariant kernel, over the pools where they are
+        return kernels.attention(q, kp, vp, plan.keys, plan.first, plan.count, scale, sinks)
     out = None
     for g in plan.groups:
         qg = (q.view(*g.rows.shape, *q.shape[1:]) if g.every_row else q[g.rows]).float().transpose(1, 2)  # [B, H, T, d]
@@ -392,5 +485,5 @@ def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
     if bias is not None:
         y = y + bias
     if act == "silu":
-        y = F.silu(y)
+        y = silu(y)
     return y, seq[:, -(K - 1):].transpose(-1, -2).contiguous() if K > 1 else conv_state

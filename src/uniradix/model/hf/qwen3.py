@@ -7,11 +7,10 @@ only where `use_sliding_window` is set (the released configs: no sliding layers)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .config_forms import FULL, SLIDING, ConfigError, layer_count
 from .family import HFModel
-from .ops import linear, paged_attention, rms_norm_llama
+from .ops import linear, paged_attention, rms_norm_llama, silu
 
 #: Qwen3Config's defaults (transformers 5.24) for the keys read here
 DEFAULTS = {
@@ -67,7 +66,7 @@ class Qwen3(HFModel):
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.head_dim ** -0.5)
         x = x + self._linear(a.reshape(N, -1), p + "self_attn.o_proj")
         h = rms_norm_llama(x, w(p + "post_attention_layernorm.weight"), self.eps, dtype=self.dtype)
-        g = F.silu(linear(h, w(p + "mlp.gate_proj.weight"))) * linear(h, w(p + "mlp.up_proj.weight"))
+        g = silu(linear(h, w(p + "mlp.gate_proj.weight"))) * linear(h, w(p + "mlp.up_proj.weight"))
         return x + linear(g, w(p + "mlp.down_proj.weight"))
 
     def head(self, x):

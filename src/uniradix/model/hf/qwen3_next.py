@@ -27,13 +27,12 @@ state keeps the last K-1 conv inputs (transformers keeps K, of which K-1 matter)
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ...specs import RecurrentShape
 from .config_forms import FULL, LINEAR, ConfigError, every_nth
 from .family import RECURRENT, HFModel
-from .ops import FEW_TOKENS, causal_conv, linear, paged_attention, rms_norm, run_recurrent
-from .quant import is_quantized
+from .. import kernels
+from .ops import causal_conv, exp, linear, paged_attention, rms_norm, run_recurrent, sigmoid, silu, softplus
 
 _COMMON = {"hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 256,
            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
@@ -167,7 +166,7 @@ class Qwen3Next(HFModel):
         k = rms_norm(k, self.w(p + "k_norm.weight"), self.eps, 1.0)
         q, k = batch.rotate(self.rope[i], q, k)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=d ** -0.5)
-        return self._linear(p + "o_proj", a.reshape(N, -1) * torch.sigmoid(gate))
+        return self._linear(p + "o_proj", a.reshape(N, -1) * sigmoid(gate))
 
     # ------------------------------------------------------------------ gated delta-net
     def _projections(self, p, h):
@@ -187,8 +186,8 @@ class Qwen3Next(HFModel):
     def _gdn(self, i, p, h, batch):
         N = h.shape[0]
         qkv, z, b, a = self._projections(p, h)
-        beta = torch.sigmoid(b)
-        g = -self.w(p + "A_log").float().exp() * F.softplus(a.float() + self.w(p + "dt_bias"))
+        beta = sigmoid(b)
+        g = -exp(self.w(p + "A_log").float()) * softplus(a.float() + self.w(p + "dt_bias"))
         # the mixer reads one tensor per token: [q|k|v] (exact in float32 whatever the model's
         # dtype), beta and g
         packed = torch.cat((qkv.float(), beta.float(), g), dim=-1)
@@ -202,7 +201,7 @@ class Qwen3Next(HFModel):
             # (as a depthwise F.conv1d does); its inputs are the model's dtype's values
             y, window = causal_conv(x[..., :self.conv_dim], conv_state, conv_w.float(),
                                     None if conv_b is None else conv_b.float())
-            y, conv_state = F.silu(y.to(dtype)), window.to(conv_state.dtype)
+            y, conv_state = silu(y.to(dtype)), window.to(conv_state.dtype)
             Hv = self.v_heads
             beta_t, g_t = x[..., self.conv_dim:self.conv_dim + Hv], x[..., self.conv_dim + Hv:]
             out, state = self._delta_rule(y, beta_t, g_t, state)
@@ -223,6 +222,8 @@ class Qwen3Next(HFModel):
         if Hv != Hk:  # each key head serves Hv / Hk consecutive value heads
             q, k = q.repeat_interleave(Hv // Hk, dim=2), k.repeat_interleave(Hv // Hk, dim=2)
         v = v.view(B, T, Hv, self.dv)
+        if y.device.type == "cpu" and kernels.available():  # row-invariant, token by token, in C
+            return kernels.delta_rule(q, k, v, beta, g, state)
         beta, g, S = beta.float(), g.float(), state.float()
         if T >= CHUNK_FROM and B == 1:
             out, S = _chunked_delta_rule(q[0], k[0], v[0], beta[0], g[0], S[0])
@@ -240,7 +241,7 @@ class Qwen3Next(HFModel):
 
     # ------------------------------------------------------------------ MLP and MoE
     def _mlp(self, p, h):
-        return self._linear(p + "down_proj", F.silu(self._linear(p + "gate_proj", h)) * self._linear(p + "up_proj", h))
+        return self._linear(p + "down_proj", silu(self._linear(p + "gate_proj", h)) * self._linear(p + "up_proj", h))
 
     def _moe(self, p, h):
         logits = linear(h, self.w(p + "gate.weight"))
@@ -250,21 +251,18 @@ class Qwen3Next(HFModel):
             top = top / top.sum(-1, keepdim=True)
         top = top.to(logits.dtype)
         gate_up, down = self.w(p + "experts.gate_up_proj"), self.w(p + "experts.down_proj")
-        if h.shape[0] <= FEW_TOKENS and not is_quantized(gate_up):  # each token's experts gathered: one call
-            gate, up = torch.einsum("nd,nkid->nki", h, gate_up[idx]).chunk(2, dim=-1)
-            ye = torch.einsum("nki,nkdi->nkd", F.silu(gate) * up, down[idx])
-            out = (ye * top[..., None]).sum(1)
-        else:
-            out = torch.zeros_like(h)
-            for e in idx.unique().tolist():  # ascending, as transformers adds them
-                tok, slot = torch.where(idx == e)
-                gate, up = linear(h[tok], gate_up[e]).chunk(2, dim=-1)
-                ye = linear(F.silu(gate) * up, down[e])
-                out.index_add_(0, tok, (ye * top[tok, slot, None]).to(out.dtype))
+        # expert by expert, ascending, as transformers adds them: a token's sum is in the
+        # same order whatever tokens come with it
+        out = torch.zeros_like(h)
+        for e in idx.unique().tolist():
+            tok, slot = torch.where(idx == e)
+            gate, up = linear(h[tok], gate_up[e]).chunk(2, dim=-1)
+            ye = linear(silu(gate) * up, down[e])
+            out.index_add_(0, tok, (ye * top[tok, slot, None]).to(out.dtype))
         if self.has(p + "shared_expert.gate_proj.weight"):
             shared = self._mlp(p + "shared_expert.", h)
             if self.has(p + "shared_expert_gate.weight"):
-                shared = torch.sigmoid(linear(h, self.w(p + "shared_expert_gate.weight"))) * shared
+                shared = sigmoid(linear(h, self.w(p + "shared_expert_gate.weight"))) * shared
             out = out + shared
         return out
 
@@ -309,4 +307,4 @@ def _gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: floa
     y = x.float()
     y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + eps)
     y = w * y.to(x.dtype)
-    return (y * F.silu(z.float())).to(x.dtype)
+    return (y * silu(z.float())).to(x.dtype)

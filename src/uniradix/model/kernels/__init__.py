@@ -1,0 +1,267 @@
+"""Row-invariant CPU kernels: products, elementwise functions, attention over the pools
+and the recurrences, each computing an output element by one fixed sequence of IEEE
+operations whatever the rows beside it (kernels.c says how). They are what makes a
+token's values the same bits in a decode step, a prefill chunk of any size and the
+no-cache forward, in every precision, on any CPU.
+
+The C source is compiled on first use for the CPU at hand (-march=native) with the
+system's C compiler and cached (build.py); it is called through ctypes (the call
+releases the GIL; its OpenMP threads are torch's own). Where no compiler is found, or
+`UNIRADIX_KERNELS=torch` asks for it, `available()` is False and the model's ops take
+torch's kernels, whose rows depend on the rows computed beside them (README, *Precisions
+and CPUs*)."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+from . import build
+
+log = logging.getLogger("uniradix.kernels")
+
+#: panel width of a packed weight (kernels.c's NR)
+NR = 16
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: elementwise operations (kernels.c's EW_*)
+OPS = {"exp": 0, "sigmoid": 1, "silu": 2, "softplus": 3, "gelu_tanh": 4, "tanh": 5}
+
+_lib = None
+_state = {"tried": False, "why": ""}
+
+_i64, _f32, _int, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "ur_linear": [_p, _i64, _i64, _i64, _p, _int, _i64, _p, _p, _i64, _int],
+    "ur_elementwise": [_int, _p, _p, _i64, _f32, _int],
+    "ur_attention": [_p, _i64, _i64, _i64, _p, _p, _int, _i64, _p, _p, _p, _f32, _p, _p, _int],
+    "ur_delta_rule": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
+    "ur_ssm_scan": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
+}
+
+
+def _load():
+    _state["tried"] = True
+    if os.environ.get("UNIRADIX_KERNELS", "").lower() == "torch":
+        _state["why"] = "UNIRADIX_KERNELS=torch"
+        return None
+    try:
+        path = build.library()
+        lib = ctypes.CDLL(path)
+    except (build.BuildError, OSError) as e:
+        _state["why"] = str(e)
+        log.warning("row-invariant kernels unavailable (%s): torch's kernels instead, whose rows depend on the rows "
+                    "computed beside them", e)
+        return None
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
+    lib.ur_isa.restype = ctypes.c_char_p
+    return lib
+
+
+def lib():
+    """The loaded library, or None (compiled on the first call)."""
+    global _lib
+    if not _state["tried"]:
+        _lib = _load()
+    return _lib
+
+
+def available() -> bool:
+    return lib() is not None
+
+
+def describe() -> str:
+    """For the start-up line: which kernels the forward runs on."""
+    if available():
+        return f"row-invariant kernels ({_lib.ur_isa().decode()})"
+    return (f"torch's kernels ({_state['why'] or 'not loaded'}): a row's values depend on the rows beside it, so "
+            "reuse is exact only within a bound")
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def _threads() -> int:
+    return torch.get_num_threads()
+
+
+def _on_cpu(*ts) -> bool:
+    return all(t is None or t.device.type == "cpu" for t in ts)
+
+
+# ---------------------------------------------------------------------------- products
+class PackedWeight:
+    """W [out, in] in panels of NR output columns, [panel][in][NR], in its own dtype
+    (float32, bfloat16 or float16); what `linear` multiplies. Holds the same values as
+    the dense weight (`dense()` gives it back, for the witness and for moving it)."""
+
+    __slots__ = ("panels", "out_features", "in_features")
+
+    def __init__(self, w: torch.Tensor) -> None:
+        if w.dim() != 2 or w.dtype not in _DTYPES:
+            raise ValueError(f"cannot pack a {tuple(w.shape)} {w.dtype} weight")
+        N, K = w.shape
+        P = -(-N // NR)
+        padded = w.new_zeros(P * NR, K)
+        padded[:N] = w
+        self.panels = padded.view(P, NR, K).transpose(1, 2).contiguous()
+        self.out_features, self.in_features = N, K
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.panels.dtype
+
+    def dim(self) -> int:
+        return 2
+
+    @property
+    def device(self) -> torch.device:
+        return self.panels.device
+
+    def dense(self) -> torch.Tensor:
+        P = self.panels.shape[0]
+        return self.panels.transpose(1, 2).reshape(P * NR, self.in_features)[:self.out_features].contiguous()
+
+    def tensors(self) -> torch.Tensor:
+        """What the weights' witness and fingerprint read: the dense weight."""
+        return self.dense()
+
+    def to(self, device) -> "PackedWeight | torch.Tensor":
+        """Itself on the CPU; elsewhere the dense weight (the kernels are the CPU's)."""
+        return self if torch.device(device).type == "cpu" else self.dense().to(device)
+
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+    def __repr__(self) -> str:
+        return f"PackedWeight({self.out_features}x{self.in_features}, {self.dtype})"
+
+
+class PackedExperts:
+    """An expert stack [experts, out, in], each expert a PackedWeight: `[e]` is expert e."""
+
+    __slots__ = ("experts",)
+
+    def __init__(self, stack: torch.Tensor) -> None:
+        self.experts = [PackedWeight(w) for w in stack]
+
+    def __getitem__(self, e: int) -> PackedWeight:
+        return self.experts[e]
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((len(self.experts), *self.experts[0].shape))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.experts[0].dtype
+
+    def dim(self) -> int:
+        return 3
+
+    @property
+    def device(self) -> torch.device:
+        return self.experts[0].device
+
+    def dense(self) -> torch.Tensor:
+        return torch.stack([w.dense() for w in self.experts])
+
+    def tensors(self) -> torch.Tensor:
+        return self.dense()
+
+    def to(self, device):
+        return self if torch.device(device).type == "cpu" else self.dense().to(device)
+
+
+def linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ W^T (+ b) accumulated in float32 (each output one chain of fused
+    multiply-adds in input order), rounded once to x's dtype."""
+    L = lib()
+    K, N = w.in_features, w.out_features
+    if x.shape[-1] != K:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight takes {K}")
+    x2 = x.reshape(-1, K)
+    xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
+    bf = None if b is None else b.float().contiguous()
+    y = torch.empty(x2.shape[0], N, dtype=torch.float32)
+    L.ur_linear(xf.data_ptr(), xf.shape[0], K, K, w.panels.data_ptr(), _DTYPES[w.dtype], N, _ptr(bf), y.data_ptr(),
+                N, _threads())
+    return y.to(x.dtype).view(*x.shape[:-1], N)
+
+
+# ---------------------------------------------------------------------------- elementwise
+def elementwise(op: str, x: torch.Tensor, param: float = 0.0) -> torch.Tensor:
+    """f(x) computed in float32 by kernels.c's fixed implementation, rounded to x's
+    dtype."""
+    xf = x.float().contiguous()
+    y = torch.empty_like(xf) if xf is x or xf.data_ptr() == x.data_ptr() else xf
+    lib().ur_elementwise(OPS[op], xf.data_ptr(), y.data_ptr(), xf.numel(), float(param), _threads())
+    return y.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------- attention
+def attention(q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, slots: torch.Tensor, first: torch.Tensor,
+              count: torch.Tensor, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, H, d] over keys and values in flat pools [slots, KV, d] (any of the three
+    dtypes): query row r reads slots[first[r] : first[r] + count[r]]. Returns [N, H, d]
+    in q's dtype."""
+    N, H, d = q.shape
+    KV = kpool.shape[1]
+    if kpool.dtype not in _DTYPES or vpool.dtype != kpool.dtype or not (kpool.is_contiguous() and vpool.is_contiguous()):
+        raise ValueError("attention: the pools must be contiguous and of one dtype of float32, bfloat16, float16")
+    qf = q.float().contiguous()
+    out = torch.empty_like(qf)
+    s = None if sinks is None else sinks.float().contiguous()
+    slots, first, count = (t.to(torch.int64).contiguous() for t in (slots, first, count))
+    lib().ur_attention(qf.data_ptr(), N, H, d, kpool.data_ptr(), vpool.data_ptr(), _DTYPES[kpool.dtype], KV,
+                       slots.data_ptr(), first.data_ptr(), count.data_ptr(), float(scale), _ptr(s), out.data_ptr(),
+                       _threads())
+    return out.to(q.dtype)
+
+
+# ---------------------------------------------------------------------------- recurrences
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.float().contiguous()
+
+
+def delta_rule(q, k, v, beta, g, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token: q, k [B, T, H, dk], v [B, T, H, dv], beta and
+    g (log decay) [B, T, H], state [B, H, dk, dv]. Returns (out [B, T, H, dv], the new
+    state), float32."""
+    B, T, H, dk = q.shape
+    dv = v.shape[-1]
+    q, k, v, beta, g = (_f32(t) for t in (q, k, v, beta, g))
+    S = state.float().clone().contiguous()
+    out = torch.empty(B, T, H, dv, dtype=torch.float32)
+    lib().ur_delta_rule(q.data_ptr(), k.data_ptr(), v.data_ptr(), beta.data_ptr(), g.data_ptr(), S.data_ptr(),
+                        out.data_ptr(), B, T, H, dk, dv, _threads())
+    return out, S
+
+
+def ssm_scan(x, dt, A, Bm, C, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2's selective scan token by token: x [B, T, H, P], dt [B, T, H], A [H],
+    Bm and C [B, T, H, N], state [B, H, P, N]. Returns (y [B, T, H, P], the new state),
+    float32."""
+    Bn, T, H, P = x.shape
+    N = Bm.shape[-1]
+    x, dt, A, Bm, C = (_f32(t) for t in (x, dt, A, Bm, C))
+    S = state.float().clone().contiguous()
+    y = torch.empty(Bn, T, H, P, dtype=torch.float32)
+    lib().ur_ssm_scan(x.data_ptr(), dt.data_ptr(), A.data_ptr(), Bm.data_ptr(), C.data_ptr(), S.data_ptr(),
+                      y.data_ptr(), Bn, T, H, P, N, _threads())
+    return y, S
+
+
+__all__ = ["NR", "OPS", "PackedWeight", "PackedExperts", "available", "describe", "linear", "elementwise", "attention", "delta_rule",
+           "ssm_scan", "lib"]

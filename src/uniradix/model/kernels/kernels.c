@@ -1,0 +1,666 @@
+/* uniradix's row-invariant CPU kernels.
+
+   The rule every function here keeps: an output element is computed by one fixed
+   sequence of IEEE operations that depends only on its own inputs, never on how many
+   rows come with it, where it falls in a vector, or how the work is split between
+   threads. So a token's values are the same bits in a decode step, in a prefill chunk of
+   any size, in a speculative verify chunk and in the no-cache forward; that is what keeps
+   reuse exact in every precision.
+
+   - Products (ur_linear): y[m, n] = sum_k x[m, k] * w[n, k] as one chain of fused
+     multiply-adds in k order from 0, in float32, whatever the weight's dtype (float32,
+     bfloat16, float16: converted exactly in registers, never into a float matrix). The
+     weight is packed once into panels of 16 output columns, [panel][k][16]; a vector lane
+     holds one output column, so AVX-512, AVX2 and the scalar fallback give the same bits.
+   - Elementwise functions (exp, sigmoid, silu, softplus, gelu_tanh, tanh) from basic IEEE
+     operations only: the vector loop and its tail compute the same function.
+   - Attention over keys where they lie in the pools, each query's scores, softmax and
+     weighted sum in key order.
+   - The recurrences (gated delta rule, Mamba2's selective scan) token by token.
+
+   Built with -ffp-contract=off: the only fused operations are the ones written; the
+   elementwise functions are branch-free, so their loops vectorise, and a vector lane
+   and the scalar tail run the same operations. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+#include <omp.h>
+
+#if defined(__AVX512F__) && defined(__FMA__)
+#include <immintrin.h>
+#define UR_ISA "avx512"
+#define UR_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define UR_ISA "avx2"
+#define UR_AVX2 1
+#else
+#define UR_ISA "scalar"
+#endif
+
+#define NR 16          /* output columns per packed panel */
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+const char *ur_isa(void) { return UR_ISA; }
+int ur_version(void) { return 1; }
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, u;
+    if (e == 0) {
+        if (m == 0) {
+            u = s;
+        } else {  /* subnormal: normalise */
+            e = 127 - 15 + 1;
+            while (!(m & 0x400)) { m <<= 1; e--; }
+            m &= 0x3ff;
+            u = s | (e << 23) | (m << 13);
+        }
+    } else if (e == 31) {
+        u = s | 0x7f800000u | (m << 13);
+    } else {
+        u = s | ((e + 127 - 15) << 23) | (m << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float load_elem(const void *p, int dt, int64_t i) {
+    if (dt == DT_F32) return ((const float *)p)[i];
+    if (dt == DT_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    return f16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline int64_t elem_size(int dt) { return dt == DT_F32 ? 4 : 2; }
+
+/* ------------------------------------------------------------------------ products */
+
+/* One panel row (16 weights of k) as float32 vectors. */
+#if defined(UR_AVX512)
+typedef __m512 wvec;
+static inline wvec wload(const void *p, int dt) {
+    if (dt == DT_F32) return _mm512_loadu_ps((const float *)p);
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+#define WV_ZERO() _mm512_setzero_ps()
+#define WV_FMA(a, b, c) _mm512_fmadd_ps(_mm512_set1_ps(a), (b), (c))
+#define WV_ADD(a, b) _mm512_add_ps((a), (b))
+static inline void wstore(float *y, wvec v, int n) {
+    if (n == NR) { _mm512_storeu_ps(y, v); return; }
+    _mm512_mask_storeu_ps(y, (__mmask16)((1u << n) - 1), v);
+}
+static inline wvec wloadf(const float *p, int n) {
+    if (n == NR) return _mm512_loadu_ps(p);
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
+}
+#elif defined(UR_AVX2)
+typedef struct { __m256 lo, hi; } wvec;
+static inline __m256 h8(const uint16_t *p, int dt) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (dt == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+static inline wvec wload(const void *p, int dt) {
+    wvec v;
+    if (dt == DT_F32) {
+        v.lo = _mm256_loadu_ps((const float *)p);
+        v.hi = _mm256_loadu_ps((const float *)p + 8);
+    } else {
+        v.lo = h8((const uint16_t *)p, dt);
+        v.hi = h8((const uint16_t *)p + 8, dt);
+    }
+    return v;
+}
+static inline wvec WV_ZERO(void) { wvec v = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return v; }
+static inline wvec WV_FMA(float a, wvec b, wvec c) {
+    __m256 s = _mm256_set1_ps(a);
+    wvec v = {_mm256_fmadd_ps(s, b.lo, c.lo), _mm256_fmadd_ps(s, b.hi, c.hi)};
+    return v;
+}
+static inline wvec WV_ADD(wvec a, wvec b) {
+    wvec v = {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+    return v;
+}
+static inline void wstore(float *y, wvec v, int n) {
+    if (n == NR) { _mm256_storeu_ps(y, v.lo); _mm256_storeu_ps(y + 8, v.hi); return; }
+    float t[NR];
+    _mm256_storeu_ps(t, v.lo);
+    _mm256_storeu_ps(t + 8, v.hi);
+    memcpy(y, t, sizeof(float) * n);
+}
+static inline wvec wloadf(const float *p, int n) {
+    if (n == NR) { wvec v = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return v; }
+    float t[NR] = {0};
+    memcpy(t, p, sizeof(float) * n);
+    wvec v = {_mm256_loadu_ps(t), _mm256_loadu_ps(t + 8)};
+    return v;
+}
+#else
+typedef struct { float v[NR]; } wvec;
+static inline wvec wload(const void *p, int dt) {
+    wvec v;
+    for (int i = 0; i < NR; i++) v.v[i] = load_elem(p, dt, i);
+    return v;
+}
+static inline wvec WV_ZERO(void) { wvec v; for (int i = 0; i < NR; i++) v.v[i] = 0.0f; return v; }
+static inline wvec WV_FMA(float a, wvec b, wvec c) {
+    wvec v;
+    for (int i = 0; i < NR; i++) v.v[i] = fmaf(a, b.v[i], c.v[i]);
+    return v;
+}
+static inline wvec WV_ADD(wvec a, wvec b) { wvec v; for (int i = 0; i < NR; i++) v.v[i] = a.v[i] + b.v[i]; return v; }
+static inline void wstore(float *y, wvec v, int n) { memcpy(y, v.v, sizeof(float) * n); }
+static inline wvec wloadf(const float *p, int n) {
+    wvec v = WV_ZERO();
+    memcpy(v.v, p, sizeof(float) * n);
+    return v;
+}
+#endif
+
+/* MR rows x NP panels over k in [k0, k1): the accumulators start from zero (k0 == 0) or
+   from y, where the previous k block left them: the chain continues, in k order. */
+#define KBLOCK 512
+
+static inline __attribute__((always_inline)) void tile(
+    int MR, int NP, const float *x, int64_t ldx, const char *wp, int dt, int64_t K, int64_t p0,
+    int64_t N, float *y, int64_t ldy, int64_t k0, int64_t k1, const float *bias) {
+    wvec acc[8][4];
+    const int64_t ps = K * NR * elem_size(dt);      /* bytes per panel */
+    const int64_t es = elem_size(dt) * NR;          /* bytes per k in a panel */
+    int ncol[4];
+    for (int j = 0; j < NP; j++) {
+        int64_t c = N - (p0 + j) * NR;
+        ncol[j] = c >= NR ? NR : (int)c;
+    }
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < NP; j++)
+            acc[r][j] = k0 == 0 ? WV_ZERO() : wloadf(y + r * ldy + (p0 + j) * NR, ncol[j]);
+    const char *w0 = wp + p0 * ps + k0 * es;
+    for (int64_t k = k0; k < k1; k++, w0 += es) {
+        for (int j = 0; j < NP; j++) {
+            wvec w = wload(w0 + j * ps, dt);
+            for (int r = 0; r < MR; r++)
+                acc[r][j] = WV_FMA(x[r * ldx + k], w, acc[r][j]);
+        }
+    }
+    for (int j = 0; j < NP; j++) {
+        if (k1 == K && bias != NULL) {
+            wvec b = wloadf(bias + (p0 + j) * NR, ncol[j]);
+            for (int r = 0; r < MR; r++) acc[r][j] = WV_ADD(acc[r][j], b);
+        }
+        for (int r = 0; r < MR; r++) wstore(y + r * ldy + (p0 + j) * NR, acc[r][j], ncol[j]);
+    }
+}
+
+#if defined(UR_AVX512)
+#define MR_BULK 8
+#define NP_BULK 2
+#else
+#define MR_BULK 6
+#define NP_BULK 1
+#endif
+#define NP_ONE 4   /* one row: this many panels at a time, for independent chains */
+
+/* the tiles for one weight dtype (a constant here, so the inner loop has no branch) */
+static inline __attribute__((always_inline)) void tile_rows_dt(
+    int mr, int np, const float *x, int64_t ldx, const char *wp, const int dt, int64_t K, int64_t p0, int64_t N,
+    float *y, int64_t ldy, int64_t k0, int64_t k1, const float *b) {
+#define T(R, P) tile(R, P, x, ldx, wp, dt, K, p0, N, y, ldy, k0, k1, b)
+    if (np == NP_BULK) {
+        switch (mr) {
+        case 1: T(1, NP_BULK); return;
+        case 2: T(2, NP_BULK); return;
+        case 3: T(3, NP_BULK); return;
+        case 4: T(4, NP_BULK); return;
+        case 5: T(5, NP_BULK); return;
+        case 6: T(6, NP_BULK); return;
+#if MR_BULK > 6
+        case 7: T(7, NP_BULK); return;
+        case 8: T(8, NP_BULK); return;
+#endif
+        }
+    }
+    if (mr == 1 && np == NP_ONE) { T(1, NP_ONE); return; }
+    for (int j = 0; j < np; j++)
+        for (int r = 0; r < mr; r++)
+            tile(1, 1, x + r * ldx, ldx, wp, dt, K, p0 + j, N, y + r * ldy, ldy, k0, k1, b);
+#undef T
+}
+
+static void tile_rows(int mr, int np, const float *x, int64_t ldx, const char *wp, int dt, int64_t K,
+                      int64_t p0, int64_t N, float *y, int64_t ldy, int64_t k0, int64_t k1, const float *b) {
+    if (dt == DT_F32) tile_rows_dt(mr, np, x, ldx, wp, DT_F32, K, p0, N, y, ldy, k0, k1, b);
+    else if (dt == DT_BF16) tile_rows_dt(mr, np, x, ldx, wp, DT_BF16, K, p0, N, y, ldy, k0, k1, b);
+    else tile_rows_dt(mr, np, x, ldx, wp, DT_F16, K, p0, N, y, ldy, k0, k1, b);
+}
+
+/* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias [N]), W packed as
+   ceil(N / 16) panels [K][16] of dtype dt. */
+void ur_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wp, int dt, int64_t N,
+               const float *bias, float *y, int64_t ldy, int nt) {
+    const int64_t P = (N + NR - 1) / NR;
+    if (M <= 0 || N <= 0) return;
+    if (K == 0) {
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) y[m * ldy + n] = bias ? 0.0f + bias[n] : 0.0f;
+        return;
+    }
+    if (M < MR_BULK) {
+        /* few rows (decode): split the panels between threads, each reading its panels once */
+        const int64_t groups = (P + NP_ONE - 1) / NP_ONE;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && groups > 1)
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t p0 = g * NP_ONE;
+            int np = P - p0 >= NP_ONE ? NP_ONE : (int)(P - p0);
+            if (M == 1) {
+                tile_rows(1, np, x, ldx, (const char *)wp, dt, K, p0, N, y, ldy, 0, K, bias);
+            } else {
+                for (int64_t pp = p0; pp < p0 + np; pp += NP_BULK) {
+                    int q = p0 + np - pp >= NP_BULK ? NP_BULK : (int)(p0 + np - pp);
+                    tile_rows((int)M, q, x, ldx, (const char *)wp, dt, K, pp, N, y, ldy, 0, K, bias);
+                }
+            }
+        }
+        return;
+    }
+    /* many rows: tiles of MC rows x NP_BULK panels; within a tile, k in blocks so the
+       panel block stays in cache while the rows pass over it */
+    const int64_t MC = 96;
+    const int64_t rblocks = (M + MC - 1) / MC, pgroups = (P + NP_BULK - 1) / NP_BULK;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t rb = 0; rb < rblocks; rb++) {
+        for (int64_t g = 0; g < pgroups; g++) {
+            int64_t m0 = rb * MC, m1 = m0 + MC < M ? m0 + MC : M;
+            int64_t p0 = g * NP_BULK;
+            int np = P - p0 >= NP_BULK ? NP_BULK : (int)(P - p0);
+            for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
+                int64_t k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
+                for (int64_t m = m0; m < m1; m += MR_BULK) {
+                    int mr = m1 - m >= MR_BULK ? MR_BULK : (int)(m1 - m);
+                    tile_rows(mr, np, x + m * ldx, ldx, (const char *)wp, dt, K, p0, N, y + m * ldy, ldy, k0, k1,
+                              bias);
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------ elementwise */
+
+/* e^x from IEEE operations only: x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' expf
+   polynomial, then scaled by 2^n through the exponent bits (0 below e^-87.3, inf above
+   e^88.7). Within 2 ulp of the correctly rounded value. */
+static inline float ur_expf(float x) {
+    /* branch-free, so the loops over it vectorise: the edges are selected at the end */
+    const float xc = x > 88.72283f ? 88.72283f : (x < -87.33654f ? -87.33654f : x);
+    const float t = fmaf(xc, 1.44269504088896341f, 12582912.0f);
+    const float n = t - 12582912.0f;
+    float r = fmaf(n, -0.693359375f, xc);
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    const float e = fmaf(p * r, r, r) + 1.0f;
+    /* 2^n as two halves (n may reach 128, one past the largest exponent) */
+    const int32_t k = (int32_t)n, k1 = k >> 1, k2 = k - k1;
+    const uint32_t b1 = (uint32_t)(k1 + 127) << 23, b2 = (uint32_t)(k2 + 127) << 23;
+    float s1, s2;
+    memcpy(&s1, &b1, 4);
+    memcpy(&s2, &b2, 4);
+    const float y = e * s1 * s2;
+    return x > 88.72283f ? INFINITY : (x < -87.33654f ? 0.0f : (x != x ? x : y));
+}
+
+/* log(x) for x > 0 finite (Cephes' logf): x = m 2^e, m in [sqrt(1/2), sqrt(2)). */
+static inline float ur_logf(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    const int32_t e0 = (int32_t)((u >> 23) & 0xff) - 126;
+    u = (u & 0x807fffffu) | 0x3f000000u;   /* m in [0.5, 1) */
+    float m0;
+    memcpy(&m0, &u, 4);
+    const int small = m0 < 0.707106781186547524f;
+    const int32_t e = small ? e0 - 1 : e0;
+    const float m = small ? m0 + m0 - 1.0f : m0 - 1.0f;
+    const float z = m * m;
+    float y = 7.0376836292e-2f;
+    y = fmaf(y, m, -1.1514610310e-1f);
+    y = fmaf(y, m, 1.1676998740e-1f);
+    y = fmaf(y, m, -1.2420140846e-1f);
+    y = fmaf(y, m, 1.4249322787e-1f);
+    y = fmaf(y, m, -1.6668057665e-1f);
+    y = fmaf(y, m, 2.0000714765e-1f);
+    y = fmaf(y, m, -2.4999993993e-1f);
+    y = fmaf(y, m, 3.3333331174e-1f);
+    y = y * m * z;
+    const float fe = (float)e;
+    y = fmaf(fe, -2.12194440e-4f, y);
+    y = fmaf(z, -0.5f, y);
+    return fmaf(fe, 0.693359375f, m + y);
+}
+
+/* log(1 + x) for x >= 0, accurate near 0 (u = 1 + x; log(u) x / (u - 1)). */
+static inline float ur_log1pf(float x) {
+    const float u = 1.0f + x;
+    const float r = ur_logf(u) * (x / (u - 1.0f));
+    return u == 1.0f ? x : (u == INFINITY ? u : r);
+}
+
+static inline float ur_tanhf(float x) {
+    const float a = fabsf(x);
+    const float z = x * x;
+    float p = -5.70498872745e-3f;
+    p = fmaf(p, z, 2.06390887954e-2f);
+    p = fmaf(p, z, -5.37397155531e-2f);
+    p = fmaf(p, z, 1.33314422036e-1f);
+    p = fmaf(p, z, -3.33332819422e-1f);
+    const float near0 = fmaf(p * z, x, x);
+    const float far = copysignf(1.0f - 2.0f / (ur_expf(2.0f * a) + 1.0f), x);
+    return a < 0.625f ? near0 : (a > 9.0f ? copysignf(1.0f, x) : far);
+}
+
+static inline float f_exp(float x, float p) { (void)p; return ur_expf(x); }
+static inline float f_sigmoid(float x, float p) { (void)p; return 1.0f / (1.0f + ur_expf(-x)); }
+static inline float f_silu(float x, float p) { (void)p; return x / (1.0f + ur_expf(-x)); }
+/* softplus with beta 1 and threshold p (torch's: x itself above it) */
+static inline float f_softplus(float x, float p) { return x > p ? x : ur_log1pf(ur_expf(x)); }
+static inline float f_gelu_tanh(float x, float p) {
+    (void)p;
+    float inner = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
+    return 0.5f * x * (1.0f + ur_tanhf(inner));
+}
+static inline float f_tanh(float x, float p) { (void)p; return ur_tanhf(x); }
+
+enum { EW_EXP = 0, EW_SIGMOID, EW_SILU, EW_SOFTPLUS, EW_GELU_TANH, EW_TANH };
+
+/* y[i] = f(x[i]) for n contiguous float32 elements (y may be x). */
+void ur_elementwise(int op, const float *x, float *y, int64_t n, float param, int nt) {
+    const int64_t block = 1 << 14;
+    const int64_t blocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && blocks > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
+        switch (op) {
+#define LOOP(F) for (int64_t i = lo; i < hi; i++) y[i] = F(x[i], param); break
+        case EW_EXP: LOOP(f_exp);
+        case EW_SIGMOID: LOOP(f_sigmoid);
+        case EW_SILU: LOOP(f_silu);
+        case EW_SOFTPLUS: LOOP(f_softplus);
+        case EW_GELU_TANH: LOOP(f_gelu_tanh);
+        case EW_TANH: LOOP(f_tanh);
+#undef LOOP
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------ attention */
+
+/* Eight floats of a row in dtype dt as a vector (lane l: element l). */
+#if defined(UR_AVX2) || defined(UR_AVX512)
+typedef __m256 v8;
+static inline v8 load8(const void *p, int dt) {
+    if (dt == DT_F32) return _mm256_loadu_ps((const float *)p);
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (dt == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+static inline v8 v8_zero(void) { return _mm256_setzero_ps(); }
+static inline v8 v8_fma(v8 a, v8 b, v8 c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void v8_store(float *p, v8 v) { _mm256_storeu_ps(p, v); }
+#else
+typedef struct { float v[8]; } v8;
+static inline v8 load8(const void *p, int dt) { v8 r; for (int l = 0; l < 8; l++) r.v[l] = load_elem(p, dt, l); return r; }
+static inline v8 v8_zero(void) { v8 r; for (int l = 0; l < 8; l++) r.v[l] = 0.0f; return r; }
+static inline v8 v8_fma(v8 a, v8 b, v8 c) { v8 r; for (int l = 0; l < 8; l++) r.v[l] = fmaf(a.v[l], b.v[l], c.v[l]); return r; }
+static inline void v8_store(float *p, v8 v) { memcpy(p, v.v, 32); }
+#endif
+
+/* dot(a, b) over d, the one order every score is computed in: lane l of eight chains of
+   fused multiply-adds takes the elements i = l (mod 8) in index order; the lanes are
+   summed pairwise, ((0+1)+(2+3))+((4+5)+(6+7)); then the tail (d mod 8) in order. b in
+   dtype dt. dots() computes up to MAXQ such products against one b at once. */
+static inline float lanes_sum(v8 acc) {
+    float t[8];
+    v8_store(t, acc);
+    return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+}
+
+#define MAXQ 8
+
+static inline void dots(const float *const *a, int nq, const void *b, int dt, int64_t d, float *out) {
+    v8 acc[MAXQ];
+    for (int q = 0; q < nq; q++) acc[q] = v8_zero();
+    const int64_t es = elem_size(dt);
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+        v8 bv = load8((const char *)b + i * es, dt);
+        for (int q = 0; q < nq; q++) acc[q] = v8_fma(load8(a[q] + i, DT_F32), bv, acc[q]);
+    }
+    for (int q = 0; q < nq; q++) {
+        float s = lanes_sum(acc[q]);
+        for (int64_t t = i; t < d; t++) s = fmaf(a[q][t], load_elem(b, dt, t), s);
+        out[q] = s;
+    }
+}
+
+/* One block of rows against KV head kh (ur_attention's body; dt a constant here, so the
+   inner loops have no branch). */
+static inline __attribute__((always_inline)) void attend_block(
+    const float *q, int64_t H, int64_t d, const void *kpool, const void *vpool, const int dt, int64_t G,
+    const int64_t *slots, const int64_t *first, const int64_t *count, float scale, const float *sinks, float *out,
+    int64_t r0, int64_t r1, int64_t kh, float *sc, int64_t widest) {
+    const int64_t es = elem_size(dt), slot_bytes = (H / G) * d * es;
+    int64_t lo = first[r0], hi = first[r0] + count[r0];
+    for (int64_t r = r0 + 1; r < r1; r++) {
+        lo = first[r] < lo ? first[r] : lo;
+        hi = first[r] + count[r] > hi ? first[r] + count[r] : hi;
+    }
+    const int64_t n = hi - lo;
+    /* the block's queries: its rows x the heads of KV head kh */
+    const int nq = (int)((r1 - r0) * G);
+    const float *qp[MAXQ];
+    int64_t qa[MAXQ], qb[MAXQ], qh[MAXQ], qr[MAXQ];
+    float inv[MAXQ];
+    for (int qi = 0; qi < nq; qi++) {
+        qr[qi] = r0 + qi / G;
+        qh[qi] = kh * G + qi % G;
+        qp[qi] = q + (qr[qi] * H + qh[qi]) * d;
+        qa[qi] = first[qr[qi]] - lo;
+        qb[qi] = qa[qi] + count[qr[qi]];
+    }
+    const char *kb = (const char *)kpool + kh * d * es, *vb = (const char *)vpool + kh * d * es;
+    const int64_t *sl = slots + lo;
+    float tmp[MAXQ];
+    for (int64_t j = 0; j < n; j++) {
+        dots(qp, nq, kb + sl[j] * slot_bytes, dt, d, tmp);
+        for (int qi = 0; qi < nq; qi++) sc[qi * widest + j] = tmp[qi] * scale;
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        float *s = sc + qi * widest, mx = -INFINITY;
+        for (int64_t j = qa[qi]; j < qb[qi]; j++) mx = s[j] > mx ? s[j] : mx;
+        const float sink = sinks ? sinks[qh[qi]] : -INFINITY;
+        if (sink > mx) mx = sink;
+        float l = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            if (j < qa[qi] || j >= qb[qi]) { s[j] = 0.0f; continue; }
+            s[j] = ur_expf(s[j] - mx);
+            l += s[j];
+        }
+        if (sinks) l += ur_expf(sink - mx);
+        inv[qi] = 1.0f / l;
+    }
+    /* out = P V: NR columns at a time, up to 4 queries at a time */
+    for (int q0 = 0; q0 < nq; q0 += 4) {
+        const int qn = nq - q0 < 4 ? nq - q0 : 4;
+        int64_t ja = qa[q0], jb = qb[q0];
+        for (int qi = q0 + 1; qi < q0 + qn; qi++) {
+            ja = qa[qi] < ja ? qa[qi] : ja;
+            jb = qb[qi] > jb ? qb[qi] : jb;
+        }
+        for (int64_t c0 = 0; c0 < d; c0 += NR) {
+            const int nc = d - c0 >= NR ? NR : (int)(d - c0);
+            if (nc == NR) {
+                wvec acc[4];
+                for (int qi = 0; qi < qn; qi++) acc[qi] = WV_ZERO();
+                for (int64_t j = ja; j < jb; j++) {
+                    wvec v = wload(vb + sl[j] * slot_bytes + c0 * es, dt);
+                    for (int qi = 0; qi < qn; qi++)
+                        acc[qi] = WV_FMA(sc[(q0 + qi) * widest + j], v, acc[qi]);
+                }
+                for (int qi = 0; qi < qn; qi++) {
+                    float t[NR];
+                    wstore(t, acc[qi], NR);
+                    float *o = out + (qr[q0 + qi] * H + qh[q0 + qi]) * d + c0;
+                    for (int c = 0; c < NR; c++) o[c] = t[c] * inv[q0 + qi];
+                }
+            } else {
+                for (int qi = 0; qi < qn; qi++) {
+                    float *o = out + (qr[q0 + qi] * H + qh[q0 + qi]) * d + c0;
+                    for (int c = 0; c < nc; c++) {
+                        float a = 0.0f;
+                        for (int64_t j = ja; j < jb; j++)
+                            a = fmaf(sc[(q0 + qi) * widest + j], load_elem(vb + sl[j] * slot_bytes, dt,
+                                                                          c0 + c), a);
+                        o[c] = a * inv[q0 + qi];
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* For each query row r and head h: out[r, h] = softmax(scale * q[r, h] . K_j) V_j over
+   the keys j of row r: slots[first[r] .. first[r] + count[r]) (flat pool slots, in
+   position order), plus a sink logit sinks[h] that joins the softmax with a zero value.
+   q, out [N, H, d] float32; the pools [slots, KV, d] in dtype dt; head h reads KV head
+   h / (H / KV).
+
+   Each query's arithmetic is fixed: its scores (dots()), their maximum, the
+   exponentials of its visible keys and their sum in key order, and each output column
+   one chain of fused multiply-adds over the keys in key order, divided by the sum. For
+   speed, the queries of a few rows that share a KV head and overlapping keys go
+   together (each key and value read once for all of them); a key a query does not see
+   gets the weight 0, which leaves its chains as they were. */
+void ur_attention(const float *q, int64_t N, int64_t H, int64_t d, const void *kpool, const void *vpool,
+                  int dt, int64_t KV, const int64_t *slots, const int64_t *first, const int64_t *count,
+                  float scale, const float *sinks, float *out, int nt) {
+    const int64_t G = H / KV;
+    const int64_t RB = G >= MAXQ ? 1 : MAXQ / G;     /* rows per block */
+    /* blocks of consecutive rows whose key ranges overlap */
+    int64_t *bstart = (int64_t *)malloc(sizeof(int64_t) * (N + 1));
+    int64_t nb = 0, widest = 1;
+    for (int64_t r = 0; r < N;) {
+        int64_t lo = first[r], hi = first[r] + count[r], e = r + 1;
+        while (e < N && e - r < RB && first[e] < hi && first[e] + count[e] > lo) {
+            lo = first[e] < lo ? first[e] : lo;
+            hi = first[e] + count[e] > hi ? first[e] + count[e] : hi;
+            e++;
+        }
+        bstart[nb++] = r;
+        widest = hi - lo > widest ? hi - lo : widest;
+        r = e;
+    }
+    bstart[nb] = N;
+#pragma omp parallel num_threads(nt) if (nt > 1 && nb * KV > 1)
+    {
+        float *sc = (float *)malloc(sizeof(float) * MAXQ * widest);
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t bi = 0; bi < nb; bi++) {
+            for (int64_t kh = 0; kh < KV; kh++) {
+                const int64_t r0 = bstart[bi], r1 = bstart[bi + 1];
+                if (dt == DT_F32)
+                    attend_block(q, H, d, kpool, vpool, DT_F32, G, slots, first, count, scale, sinks, out, r0, r1, kh,
+                                 sc, widest);
+                else if (dt == DT_BF16)
+                    attend_block(q, H, d, kpool, vpool, DT_BF16, G, slots, first, count, scale, sinks, out, r0, r1,
+                                 kh, sc, widest);
+                else
+                    attend_block(q, H, d, kpool, vpool, DT_F16, G, slots, first, count, scale, sinks, out, r0, r1,
+                                 kh, sc, widest);
+            }
+        }
+        free(sc);
+    }
+    free(bstart);
+}
+
+/* ------------------------------------------------------------------------ recurrences */
+
+/* The gated delta rule, token by token, for B sequences of T tokens each, on float32
+   states S [B, H, dk, dv]: per token, S <- e^g S; u = beta (v - k^T S); S <- S + k u^T;
+   out = q^T S. q, k [B, T, H, dk]; v, out [B, T, H, dv]; beta, g [B, T, H]. */
+void ur_delta_rule(const float *q, const float *k, const float *v, const float *beta, const float *g, float *S,
+                   float *out, int64_t B, int64_t T, int64_t H, int64_t dk, int64_t dv, int nt) {
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nt) if (nt > 1 && B * H > 1)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            float *s = S + (b * H + h) * dk * dv;
+            float *u = (float *)malloc(sizeof(float) * dv);
+            for (int64_t t = 0; t < T; t++) {
+                const int64_t bt = (b * T + t) * H + h;
+                const float *qt = q + bt * dk, *kt = k + bt * dk, *vt = v + bt * dv;
+                float *ot = out + bt * dv;
+                const float decay = ur_expf(g[bt]), bw = beta[bt];
+                for (int64_t j = 0; j < dv; j++) u[j] = 0.0f;
+                for (int64_t i = 0; i < dk; i++) {
+                    float *row = s + i * dv;
+                    const float ki = kt[i];
+                    for (int64_t j = 0; j < dv; j++) {
+                        row[j] = row[j] * decay;
+                        u[j] = fmaf(ki, row[j], u[j]);
+                    }
+                }
+                for (int64_t j = 0; j < dv; j++) { u[j] = (vt[j] - u[j]) * bw; ot[j] = 0.0f; }
+                for (int64_t i = 0; i < dk; i++) {
+                    float *row = s + i * dv;
+                    const float ki = kt[i], qi = qt[i];
+                    for (int64_t j = 0; j < dv; j++) {
+                        row[j] = fmaf(ki, u[j], row[j]);
+                        ot[j] = fmaf(qi, row[j], ot[j]);
+                    }
+                }
+            }
+            free(u);
+        }
+    }
+}
+
+/* Mamba2's selective scan, token by token, for B sequences of T tokens, on float32
+   states S [B, H, P, N]: per token and head, with a = e^(dt A), S <- a S + (x dt) B^T and
+   y = S C. x, y [B, T, H, P]; dt [B, T, H] (after softplus and clamping); A [H];
+   Bm, C [B, T, H, N] (groups already spread over heads). */
+void ur_ssm_scan(const float *x, const float *dt, const float *A, const float *Bm, const float *C, float *S,
+                 float *y, int64_t B, int64_t T, int64_t H, int64_t P, int64_t N, int nt) {
+#pragma omp parallel for collapse(2) schedule(static) num_threads(nt) if (nt > 1 && B * H > 1)
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t h = 0; h < H; h++) {
+            float *s = S + (b * H + h) * P * N;
+            for (int64_t t = 0; t < T; t++) {
+                const int64_t bt = (b * T + t) * H + h;
+                const float d = dt[bt], a = ur_expf(d * A[h]);
+                const float *xt = x + bt * P, *bt_ = Bm + bt * N, *ct = C + bt * N;
+                float *yt = y + bt * P;
+                for (int64_t p = 0; p < P; p++) {
+                    float *row = s + p * N;
+                    const float xd = xt[p] * d;
+                    for (int64_t n = 0; n < N; n++) row[n] = fmaf(xd, bt_[n], row[n] * a);
+                    { const float *rp = row; dots(&rp, 1, ct, DT_F32, N, yt + p); }
+                }
+            }
+        }
+    }
+}

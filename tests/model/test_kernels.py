@@ -1,0 +1,250 @@
+"""The row-invariant kernels (uniradix.model.kernels): each output element is the same
+bits whatever rows come with it, however a sequence is cut, and however many threads
+share the work; and each is the function it names, within a few roundings of float64.
+
+These kernels are what keeps reuse exact in every precision (the family checks in
+tests/model/hf compare the engine with the no-cache forward bit for bit); here each op
+is held to the property on its own, on shapes with tails everywhere (columns not a
+multiple of the panel, inner sizes not a multiple of the vector)."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from uniradix.model import kernels
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+pytestmark = pytest.mark.skipif(os.environ.get("UNIRADIX_KERNELS", "").lower() == "torch",
+                                reason="UNIRADIX_KERNELS=torch: the kernels are switched off")
+
+
+def test_the_kernels_build_on_this_machine():
+    """CI and every test machine have a C compiler: the kernels must load (their absence
+    would silently turn the bit-for-bit checks into torch's row-dependent kernels)."""
+    assert kernels.available(), kernels.describe()
+    assert "row-invariant kernels" in kernels.describe()
+
+
+def _cuts(n: int, size: int) -> list[tuple[int, int]]:
+    return [(i, min(n, i + size)) for i in range(0, n, size)]
+
+
+# ---------------------------------------------------------------------------- products
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(64, 64), (33, 17), (200, 640), (16, 1), (1, 40)], ids=str)
+def test_a_row_is_the_same_bits_alone_or_among_any_rows(dtype, shape):
+    torch.manual_seed(0)
+    N, K = shape
+    w = (torch.randn(N, K) * 0.1).to(dtype)
+    b = torch.randn(N).to(dtype)
+    x = torch.randn(50, K).to(dtype)
+    pw = kernels.PackedWeight(w)
+    assert torch.equal(pw.dense(), w) and pw.shape == (N, K) and pw.dtype == dtype
+    together = kernels.linear(x, pw, b)
+    assert together.dtype == dtype and together.shape == (50, N)
+    for size in (1, 2, 3, 5, 6, 7, 8, 9, 13, 49):
+        parts = torch.cat([kernels.linear(x[a:z], pw, b) for a, z in _cuts(50, size)])
+        assert torch.equal(parts, together), size
+    ref = F.linear(x.double(), w.double(), b.double())
+    # float32 accumulation, one rounding to the dtype at the end
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype] * max(1.0, ref.abs().max().item())
+    assert (together.double() - ref).abs().max().item() <= tol
+
+
+def test_threads_do_not_change_a_bit():
+    torch.manual_seed(1)
+    w = torch.randn(300, 96)
+    pw = kernels.PackedWeight(w)
+    x = torch.randn(40, 96)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(torch.cat([kernels.linear(x[:1], pw), kernels.linear(x[1:], pw)]))
+        assert all(torch.equal(o, outs[0]) for o in outs)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_products_take_any_leading_shape_and_refuse_a_wrong_width():
+    torch.manual_seed(2)
+    pw = kernels.PackedWeight(torch.randn(24, 32))
+    x = torch.randn(3, 5, 32)
+    assert torch.equal(kernels.linear(x, pw), kernels.linear(x.reshape(15, 32), pw).reshape(3, 5, 24))
+    assert kernels.linear(torch.randn(0, 32), pw).shape == (0, 24)
+    with pytest.raises(ValueError, match="32"):
+        kernels.linear(torch.randn(2, 31), pw)
+    stack = kernels.PackedExperts(torch.randn(3, 8, 32))
+    assert len(stack) == 3 and stack.shape == (3, 8, 32) and torch.equal(stack[1].dense(), stack.dense()[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a_16_bit_row_alone_equals_the_same_row_among_five(dtype):
+    """The regression of issue 29: gemm.dense multiplied one row (a decode step) in the
+    16-bit dtype and several in float32 on a CPU without a fast 16-bit GEMM, so keys and
+    states written by a decode step differed from the same tokens prefilled."""
+    from uniradix.model.hf.gemm import dense, pack
+    torch.manual_seed(3)
+    w = pack((torch.randn(256, 640) * 0.05).to(dtype))
+    x = torch.randn(5, 640).to(dtype)
+    five = dense(x, w)
+    alone = torch.cat([dense(x[i:i + 1], w) for i in range(5)])
+    assert torch.equal(alone, five)
+    plain = (torch.randn(48, 64) * 0.1).to(dtype)  # a weight not packed at load goes the same way
+    y = torch.randn(7, 64).to(dtype)
+    assert torch.equal(torch.cat([dense(y[i:i + 1], plain) for i in range(7)]), dense(y, plain))
+
+
+# ---------------------------------------------------------------------------- elementwise
+REFERENCE = {
+    "exp": torch.exp, "sigmoid": torch.sigmoid, "silu": F.silu, "softplus": lambda t: F.softplus(t, threshold=20.0),
+    "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "tanh": torch.tanh,
+}
+
+
+@pytest.mark.parametrize("op", list(kernels.OPS))
+def test_an_elementwise_value_does_not_depend_on_the_call(op):
+    """torch's float32 sigmoid, silu, softplus and gelu give an element other bits in the
+    scalar tail of a call than in its vector body; these do not."""
+    torch.manual_seed(4)
+    x = torch.randn(3001) * 6
+    param = 20.0 if op == "softplus" else 0.0
+    whole = kernels.elementwise(op, x, param)
+    for size in (1, 3, 7, 8, 15, 17, 1000):
+        parts = torch.cat([kernels.elementwise(op, x[a:z], param) for a, z in _cuts(len(x), size)])
+        assert torch.equal(parts, whole), size
+    ref = REFERENCE[op](x.double())
+    # a few float32 roundings of the float64 function (absolute below 1: gelu's 1 + tanh
+    # cancels in float32, in torch's too)
+    rel = ((whole.double() - ref).abs() / ref.abs().clamp(min=1.0)).max().item()
+    assert rel < 2e-6, rel
+    for dtype in (torch.bfloat16, torch.float16):  # computed in float32, rounded once
+        assert torch.equal(kernels.elementwise(op, x.to(dtype), param), kernels.elementwise(op, x.to(dtype).float(),
+                                                                                             param).to(dtype))
+
+
+def test_elementwise_edges():
+    x = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.0, 89.0, -87.0, -88.0, -200.0, 200.0, float("inf"),
+                      float("-inf"), float("nan"), 20.0, 20.5, 1e-8])
+    e = kernels.elementwise("exp", x)
+    assert e[0] == 1 and e[9] == math.inf and e[8] == 0 and e[10] == math.inf and e[11] == 0 and e[12].isnan()
+    assert torch.isfinite(e[4]) and e[5] == math.inf
+    s = kernels.elementwise("sigmoid", x)
+    assert s[9] == 1 and s[8] == 0 and s[0] == 0.5
+    sp = kernels.elementwise("softplus", x, 20.0)
+    assert sp[14] == 20.5 and sp[15] > 0 and abs(sp[15].item() - math.log1p(math.exp(1e-8))) < 1e-7
+    t = kernels.elementwise("tanh", x)
+    assert t[9] == 1 and t[8] == -1 and t[0] == 0 and t[3] == -1e-30
+    assert kernels.elementwise("silu", torch.tensor([-200.0]))[0] == 0
+
+
+# ---------------------------------------------------------------------------- attention
+def _attention_case(dtype, sinks: bool):
+    torch.manual_seed(5)
+    H, KV, d, slots = 4, 2, 20, 64
+    kp, vp = torch.randn(slots, KV, d).to(dtype), torch.randn(slots, KV, d).to(dtype)
+    # two requests: keys at scattered slots (pages), queries reading a causal span and a window
+    keys = torch.randperm(slots)[:30]
+    a_keys, b_keys = keys[:18], keys[18:]
+    q = torch.randn(7, H, d)
+    # rows 0-4: request a at positions 13..17 reading from 0 (causal); rows 5-6: request b,
+    # positions 10, 11 under a window of 4 (its span starts at position 0)
+    first = torch.tensor([0, 0, 0, 0, 0, 18 + 7, 18 + 8])
+    count = torch.tensor([14, 15, 16, 17, 18, 4, 4])
+    s = torch.randn(H) if sinks else None
+    return q, kp, vp, torch.cat([a_keys, b_keys]), first, count, s
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_is_per_query_and_is_softmax_attention(dtype, sinks):
+    q, kp, vp, keys, first, count, s = _attention_case(dtype, sinks)
+    scale = 0.3
+    out = kernels.attention(q, kp, vp, keys, first, count, scale, s)
+    for r in range(len(q)):  # each query alone: the same bits
+        one = kernels.attention(q[r:r + 1], kp, vp, keys, first[r:r + 1], count[r:r + 1], scale, s)
+        assert torch.equal(one, out[r:r + 1]), r
+    for r in range(len(q)):
+        sl = keys[first[r]:first[r] + count[r]]
+        k = kp[sl].double().repeat_interleave(2, dim=1)          # [n, H, d]
+        v = vp[sl].double().repeat_interleave(2, dim=1)
+        logits = torch.einsum("hd,nhd->hn", q[r].double(), k) * scale
+        if s is not None:
+            logits = torch.cat([logits, s.double()[:, None]], dim=1)
+            v = torch.cat([v, torch.zeros(1, *v.shape[1:], dtype=v.dtype)])
+        ref = torch.einsum("hn,nhd->hd", logits.softmax(-1), v)
+        assert (out[r].double() - ref).abs().max().item() < 1e-5
+
+
+# ---------------------------------------------------------------------------- recurrences
+def _naive_delta(q, k, v, beta, g, S):
+    B, T, H, dk = q.shape
+    out = torch.empty(B, T, H, v.shape[-1], dtype=torch.float64)
+    S = S.double().clone()
+    for t in range(T):
+        S = S * g[:, t].double().exp()[..., None, None]
+        kt = k[:, t].double()
+        u = (v[:, t].double() - torch.einsum("bhi,bhij->bhj", kt, S)) * beta[:, t].double()[..., None]
+        S = S + kt[..., None] * u[:, :, None, :]
+        out[:, t] = torch.einsum("bhi,bhij->bhj", q[:, t].double(), S)
+    return out, S
+
+
+def test_the_delta_rule_reaches_the_same_state_however_a_sequence_is_cut():
+    torch.manual_seed(6)
+    B, T, H, dk, dv = 2, 37, 3, 12, 10
+    q, k = F.normalize(torch.randn(B, T, H, dk), dim=-1), F.normalize(torch.randn(B, T, H, dk), dim=-1)
+    v, beta, g = torch.randn(B, T, H, dv), torch.rand(B, T, H), -torch.rand(B, T, H)
+    S0 = torch.randn(B, H, dk, dv)
+    out, S = kernels.delta_rule(q, k, v, beta, g, S0)
+    for size in (1, 5, 16):
+        St, outs = S0, []
+        for a, z in _cuts(T, size):
+            o, St = kernels.delta_rule(q[:, a:z], k[:, a:z], v[:, a:z], beta[:, a:z], g[:, a:z], St)
+            outs.append(o)
+        assert torch.equal(torch.cat(outs, dim=1), out) and torch.equal(St, S), size
+    one, _ = kernels.delta_rule(q[1:], k[1:], v[1:], beta[1:], g[1:], S0[1:])  # a request alone
+    assert torch.equal(one, out[1:])
+    ref_out, ref_S = _naive_delta(q, k, v, beta, g, S0)
+    assert (out.double() - ref_out).abs().max().item() < 1e-4 and (S.double() - ref_S).abs().max().item() < 1e-4
+
+
+def test_the_selective_scan_reaches_the_same_state_however_a_sequence_is_cut():
+    torch.manual_seed(7)
+    B, T, H, P, N = 2, 29, 3, 6, 11
+    x, dt = torch.randn(B, T, H, P), torch.rand(B, T, H) * 0.5
+    A = -torch.rand(H) * 2
+    Bm, C = torch.randn(B, T, H, N), torch.randn(B, T, H, N)
+    S0 = torch.randn(B, H, P, N)
+    y, S = kernels.ssm_scan(x, dt, A, Bm, C, S0)
+    for size in (1, 4, 13):
+        St, ys = S0, []
+        for a, z in _cuts(T, size):
+            o, St = kernels.ssm_scan(x[:, a:z], dt[:, a:z], A, Bm[:, a:z], C[:, a:z], St)
+            ys.append(o)
+        assert torch.equal(torch.cat(ys, dim=1), y) and torch.equal(St, S), size
+    ref = S0.double().clone()
+    for t in range(T):
+        a = (dt[:, t].double() * A.double()).exp()[..., None, None]
+        ref = ref * a + (x[:, t].double() * dt[:, t].double()[..., None])[..., None] * Bm[:, t].double()[:, :, None, :]
+        assert (y[:, t].double() - torch.einsum("bhpn,bhn->bhp", ref, C[:, t].double())).abs().max() < 1e-4
+    assert (S.double() - ref).abs().max().item() < 1e-4
+
+
+# ---------------------------------------------------------------------------- RoPE
+def test_rope_values_do_not_depend_on_the_positions_asked_with_them():
+    from uniradix.model.hf.ops import ROPE_BLOCK, rope_cos_sin, rope_inv_freq
+    inv, scaling = rope_inv_freq({"rope_theta": 10000.0, "rope_type": "default"}, 6)
+    pos = torch.arange(0, 3 * ROPE_BLOCK + 5)
+    cos, sin = rope_cos_sin(pos, inv, scaling, torch.float32)
+    for chosen in (torch.tensor([5]), torch.tensor([3 * ROPE_BLOCK + 4, 2]), torch.arange(17, 40)):
+        c, s = rope_cos_sin(chosen, inv, scaling, torch.float32)
+        assert torch.equal(c, cos[chosen]) and torch.equal(s, sin[chosen])
+    freqs = pos[:, None].double() * inv.double()[None]
+    assert (cos[:, :3].double() - freqs.cos()).abs().max() < 1e-3  # float32 products of large positions
