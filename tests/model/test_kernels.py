@@ -239,12 +239,17 @@ def test_the_selective_scan_reaches_the_same_state_however_a_sequence_is_cut():
 
 # ---------------------------------------------------------------------------- RoPE
 def test_rope_values_do_not_depend_on_the_positions_asked_with_them():
-    from uniradix.model.hf.ops import ROPE_BLOCK, rope_cos_sin, rope_inv_freq
+    from uniradix.model.hf.ops import rope_cos_sin, rope_inv_freq
+    ROPE_BLOCK = kernels.BlockTable.BLOCK
     inv, scaling = rope_inv_freq({"rope_theta": 10000.0, "rope_type": "default"}, 6)
     pos = torch.arange(0, 3 * ROPE_BLOCK + 5)
     cos, sin = rope_cos_sin(pos, inv, scaling, torch.float32)
     for chosen in (torch.tensor([5]), torch.tensor([3 * ROPE_BLOCK + 4, 2]), torch.arange(17, 40)):
         c, s = rope_cos_sin(chosen, inv, scaling, torch.float32)
         assert torch.equal(c, cos[chosen]) and torch.equal(s, sin[chosen])
+    fresh = inv.clone()  # a table of its own, grown from a small position first
+    c5, _ = rope_cos_sin(torch.tensor([5]), fresh, scaling, torch.float32)
+    c_all, s_all = rope_cos_sin(pos, fresh, scaling, torch.float32)
+    assert torch.equal(c5, cos[5:6]) and torch.equal(c_all, cos) and torch.equal(s_all, sin)
     freqs = pos[:, None].double() * inv.double()[None]
     assert (cos[:, :3].double() - freqs.cos()).abs().max() < 1e-3  # float32 products of large positions

@@ -1,23 +1,70 @@
 """The reference model's layers as plain functions over explicit state, so the cached
-(paged) forward and the no-cache oracle run the very same arithmetic."""
+(paged) forward and the no-cache oracle run the very same arithmetic. On the CPU the
+products, activations and attention go through the row-invariant kernels (model/kernels)
+and RoPE reads a table made in fixed blocks, so a token's values are the same bits
+whatever rows are computed beside it: the paged forward equals the oracle bit for bit."""
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
 from ..tree.component import first_visible
+from . import kernels
+
+
+def _kernels(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and kernels.available()
+
+
+_PACKED: dict = {}
+
+
+def matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ w [in, out]: by the row-invariant kernel on the CPU (w^T packed once
+    per weight and kept)."""
+    if not _kernels(x) or w.dtype not in (torch.float32, torch.bfloat16, torch.float16) or w.dim() != 2:
+        return x @ w
+    key = (id(w), w.data_ptr(), tuple(w.shape), w.dtype)
+    hit = _PACKED.get(key)
+    if hit is None or hit[0] is not w:
+        if len(_PACKED) > 4096:  # weights of models long gone
+            _PACKED.clear()
+        hit = _PACKED[key] = (w, kernels.PackedWeight(w.t().contiguous()))
+    return kernels.linear(x, hit[1])
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return kernels.elementwise("silu", x) if _kernels(x) else F.silu(x)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return kernels.elementwise("sigmoid", x) if _kernels(x) else torch.sigmoid(x)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
+_ROPE: dict = {}
+
+
 def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of x [T, heads, dim] at absolute positions pos [T]."""
+    """Rotary embedding of x [T, heads, dim] at absolute positions pos [T] (angles in
+    float64, rounded to x's dtype, their cos and sin from a table of fixed blocks)."""
     half = x.shape[-1] // 2
-    freq = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
-    ang = (pos.to(torch.float64)[:, None] * freq[None, :]).to(x.dtype)
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    key = (half, theta, x.dtype, str(x.device))
+    table = _ROPE.get(key)
+    if table is None:
+        freq = theta ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
+
+        def angles(p, freq=freq, dtype=x.dtype):
+            ang = (p.to(torch.float64)[:, None] * freq[None, :]).to(dtype)
+            return ang.cos(), ang.sin()
+        table = _ROPE[key] = kernels.BlockTable(angles, x.device)
+    cos, sin = table.rows(pos.to(torch.long))
+    cos, sin = cos[:, None, :], sin[:, None, :]
     a, b = x[..., :half], x[..., half:]
     return torch.cat((a * cos - b * sin, a * sin + b * cos), dim=-1)
 
@@ -26,7 +73,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
            k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """q [T, H, d] at q_pos; k, v [S, KV, d] at k_pos. Causal; with a window, a query at
     i sees keys from first_visible(i, window) to i (the tree's reuse rule reads the same
-    definition). Grouped-query: H is a multiple of KV."""
+    definition). Grouped-query: H is a multiple of KV. k_pos are consecutive positions."""
+    if _kernels(q) and len(k_pos) and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        lo = k_pos[0]
+        start = q_pos - q_pos + lo if window is None else torch.clamp(first_visible(q_pos, window), min=lo)
+        count = torch.clamp(q_pos - start + 1, min=0)
+        keys = torch.arange(len(k_pos), device=q.device)
+        kv = k.to(q.dtype).contiguous(), v.to(q.dtype).contiguous()
+        return kernels.attention(q, *kv, keys, start - lo, count, 1.0 / math.sqrt(q.shape[-1]))
     rep = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(rep, dim=1)
     v = v.repeat_interleave(rep, dim=1)
@@ -39,7 +93,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
 
 
 def mlp(x: torch.Tensor, w: dict) -> torch.Tensor:
-    return (F.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
+    return matmul(silu(matmul(x, w["w_gate"])) * matmul(x, w["w_up"]), w["w_down"])
 
 
 def recurrent_mix(x: torch.Tensor, w: dict, conv_state: torch.Tensor, ssm_state: torch.Tensor,
@@ -50,16 +104,16 @@ def recurrent_mix(x: torch.Tensor, w: dict, conv_state: torch.Tensor, ssm_state:
     position equal those of processing the prefix up to it, which is what makes a
     checkpoint resumable."""
     T = x.shape[0]
-    u = x @ w["w_u"]                                   # [T, C]
-    z = x @ w["w_z"]                                   # [T, C]
+    u = matmul(x, w["w_u"])                            # [T, C]
+    z = matmul(x, w["w_z"])                            # [T, C]
     K = w["conv"].shape[1]
     seq = torch.cat((conv_state.t(), u), dim=0)        # [K-1+T, C]
     conv = sum(seq[j:j + T] * w["conv"][:, j] for j in range(K))
-    u = F.silu(conv).view(T, n_heads, head_dim)
-    k = F.normalize((x @ w["w_k"]).view(T, n_heads, state_dim), dim=-1)
-    q = (x @ w["w_q"]).view(T, n_heads, state_dim)
-    a = torch.sigmoid(x @ w["w_a"])                    # [T, H] decay
-    beta = torch.sigmoid(x @ w["w_b"])                 # [T, H] write strength
+    u = silu(conv).view(T, n_heads, head_dim)
+    k = F.normalize(matmul(x, w["w_k"]).view(T, n_heads, state_dim), dim=-1)
+    q = matmul(x, w["w_q"]).view(T, n_heads, state_dim)
+    a = sigmoid(matmul(x, w["w_a"]))                   # [T, H] decay
+    beta = sigmoid(matmul(x, w["w_b"]))                # [T, H] write strength
     s = ssm_state
     ys = []
     for t in range(T):
@@ -68,5 +122,5 @@ def recurrent_mix(x: torch.Tensor, w: dict, conv_state: torch.Tensor, ssm_state:
         s = s + beta[t][:, None, None] * torch.einsum("hs,hd->hsd", k[t], u[t] - pred)
         ys.append(torch.einsum("hs,hsd->hd", q[t], s))
     y = torch.stack(ys).reshape(T, n_heads * head_dim)
-    out = (y * F.silu(z)) @ w["w_o"]
+    out = matmul(y * silu(z), w["w_o"])
     return out, seq[-(K - 1):].t().contiguous(), s

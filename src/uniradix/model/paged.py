@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import HybridConfig
-from .layers import attend, mlp, recurrent_mix, rms_norm, rope
+from .layers import attend, matmul, mlp, recurrent_mix, rms_norm, rope
 
 
 @dataclass
@@ -130,7 +130,7 @@ def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[Pa
             if attn is not None:
                 out = _attention(cfg, lw, pools[attn.name], layer, h, pos, spans[attn.name], inputs, bounds,
                                  attn.window)
-                delta = out.reshape(N, H * hd) @ lw["wo"]
+                delta = matmul(out.reshape(N, H * hd), lw["wo"])
             if rec is not None:
                 mp = pools[rec.name]
                 outs = [_recurrent(cfg, lw, mp, layer, h[bounds[r]:bounds[r + 1]], inp, commits)
@@ -140,7 +140,7 @@ def paged_forward(cfg: HybridConfig, weights: dict, pools: dict, inputs: list[Pa
         x = x + mlp(rms_norm(x, lw["norm2"], cfg.norm_eps), lw)
     if rows is not None:
         x = x.index_select(0, rows)
-    logits = rms_norm(x, weights["norm_f"], cfg.norm_eps) @ weights["head"]
+    logits = matmul(rms_norm(x, weights["norm_f"], cfg.norm_eps), weights["head"])
     # only now does any request's recurrent state advance: a forward that fails part way
     # leaves every state as it was, so the step can be rerun (its KV writes are idempotent)
     for mp, layer, slot, conv, ssm in commits:
@@ -153,9 +153,9 @@ def _attention(cfg, lw, pool, layer: int, h, pos, spans, inputs, bounds, window)
     """Write the new tokens' K/V into each request's pages, then attend over what each
     reads (its window, or the whole prefix)."""
     N, H, KV, hd = h.shape[0], cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    q = rope((h @ lw["wq"]).view(N, H, hd), pos, cfg.rope_theta)
-    k = rope((h @ lw["wk"]).view(N, KV, hd), pos, cfg.rope_theta)
-    v = (h @ lw["wv"]).view(N, KV, hd)
+    q = rope(matmul(h, lw["wq"]).view(N, H, hd), pos, cfg.rope_theta)
+    k = rope(matmul(h, lw["wk"]).view(N, KV, hd), pos, cfg.rope_theta)
+    v = matmul(h, lw["wv"]).view(N, KV, hd)
     kp, vp = pool.k(layer), pool.v(layer)
     out = torch.empty_like(q)
     for r, sp in enumerate(spans):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .config import HybridConfig
-from .layers import attend, mlp, recurrent_mix, rms_norm, rope
+from .layers import attend, matmul, mlp, recurrent_mix, rms_norm, rope
 
 
 @torch.no_grad()
@@ -21,10 +21,10 @@ def reference_forward(cfg: HybridConfig, weights: dict, tokens) -> torch.Tensor:
             h = rms_norm(x, lw["norm1"], cfg.norm_eps)
             delta = 0
             if attn is not None:
-                q = rope((h @ lw["wq"]).view(T, H, hd), pos, cfg.rope_theta)
-                k = rope((h @ lw["wk"]).view(T, KV, hd), pos, cfg.rope_theta)
-                v = (h @ lw["wv"]).view(T, KV, hd)
-                delta = attend(q, k, v, pos, pos, attn.window).reshape(T, H * hd) @ lw["wo"]
+                q = rope(matmul(h, lw["wq"]).view(T, H, hd), pos, cfg.rope_theta)
+                k = rope(matmul(h, lw["wk"]).view(T, KV, hd), pos, cfg.rope_theta)
+                v = matmul(h, lw["wv"]).view(T, KV, hd)
+                delta = matmul(attend(q, k, v, pos, pos, attn.window).reshape(T, H * hd), lw["wo"])
             if rec is not None:
                 C = H * hd
                 conv0 = torch.zeros(C, cfg.conv_kernel - 1, dtype=x.dtype)
@@ -33,4 +33,4 @@ def reference_forward(cfg: HybridConfig, weights: dict, tokens) -> torch.Tensor:
                 delta = delta + out
             x = x + delta
         x = x + mlp(rms_norm(x, lw["norm2"], cfg.norm_eps), lw)
-    return rms_norm(x, weights["norm_f"], cfg.norm_eps) @ weights["head"]
+    return matmul(rms_norm(x, weights["norm_f"], cfg.norm_eps), weights["head"])

@@ -159,47 +159,28 @@ def _yarn(params, inv, dim, base, max_positions):
 def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype) -> tuple:
     """cos and sin [N, rot] at positions `pos` (the halves duplicated, as HF lays them),
     read from the table of (inv_freq, scaling): the same bits for a position whatever
-    positions come with it."""
-    cos, sin = _rope_table(inv_freq, scaling, pos.device).upto(int(pos.max()) + 1)
-    cos, sin = cos.index_select(0, pos), sin.index_select(0, pos)
+    positions come with it (kernels.BlockTable)."""
+    cos, sin = _rope_table(inv_freq, scaling, pos.device).rows(pos)
     return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
-
-
-#: positions per block of a RoPE table: each block is computed by one call of one shape,
-#: so a position's cos and sin never depend on which call asked first
-ROPE_BLOCK = 1024
-
-
-class _RopeTable:
-    """cos(p f) * scaling and sin(p f) * scaling in float32 for positions [0, len), grown
-    a block at a time (blocks already made never change)."""
-
-    def __init__(self, inv_freq: torch.Tensor, scaling: float, device) -> None:
-        self.inv_freq, self.scaling, self.device = inv_freq.float().to(device), scaling, device
-        self.cos = self.sin = torch.empty(0, inv_freq.shape[0], device=device)
-
-    def upto(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cos.shape[0] < n:
-            blocks_c, blocks_s = [self.cos], [self.sin]
-            for lo in range(self.cos.shape[0], n, ROPE_BLOCK):
-                pos = torch.arange(lo, lo + ROPE_BLOCK, device=self.device, dtype=torch.float32)
-                freqs = pos[:, None] * self.inv_freq[None, :]
-                blocks_c.append(freqs.cos() * self.scaling)
-                blocks_s.append(freqs.sin() * self.scaling)
-            self.cos, self.sin = torch.cat(blocks_c), torch.cat(blocks_s)
-        return self.cos, self.sin
 
 
 _ROPE_TABLES: dict = {}
 
 
-def _rope_table(inv_freq: torch.Tensor, scaling: float, device) -> _RopeTable:
+def _rope_table(inv_freq: torch.Tensor, scaling: float, device) -> "kernels.BlockTable":
+    """cos(p f) * scaling and sin(p f) * scaling in float32 (HF's float32 product of the
+    position and the inverse frequency), one table per RoPE setup and device."""
     key = (id(inv_freq), scaling, str(device))
     hit = _ROPE_TABLES.get(key)
     if hit is None or hit[0] is not inv_freq:
         if len(_ROPE_TABLES) > 256:  # tables of models long gone
             _ROPE_TABLES.clear()
-        hit = _ROPE_TABLES[key] = (inv_freq, _RopeTable(inv_freq, scaling, device))
+        freq = inv_freq.float().to(device)
+
+        def angles(pos):
+            a = pos.float()[:, None] * freq[None, :]
+            return a.cos() * scaling, a.sin() * scaling
+        hit = _ROPE_TABLES[key] = (inv_freq, kernels.BlockTable(angles, device))
     return hit[1]
 
 

@@ -230,6 +230,30 @@ def attention(q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, slots: 
     return out.to(q.dtype)
 
 
+# ---------------------------------------------------------------------------- tables
+class BlockTable:
+    """Values of a function of the position, `fn(positions [n]) -> tuple of [n, ...]`,
+    made in fixed blocks of BLOCK positions and kept: a position's values come from one
+    call of one shape whatever positions are asked with it (torch's cos and sin round an
+    element differently in the vector body and the tail of a call)."""
+
+    BLOCK = 1024
+
+    def __init__(self, fn, device) -> None:
+        self.fn, self.device, self.parts, self.made = fn, device, None, 0
+
+    def rows(self, pos: torch.Tensor) -> tuple:
+        n = int(pos.max()) + 1 if pos.numel() else 0
+        if self.made < n:
+            blocks = []
+            for lo in range(self.made, n, self.BLOCK):
+                blocks.append(self.fn(torch.arange(lo, lo + self.BLOCK, device=self.device)))
+                self.made = lo + self.BLOCK
+            new = [torch.cat(cols) for cols in zip(*blocks)]
+            self.parts = new if self.parts is None else [torch.cat((a, b)) for a, b in zip(self.parts, new)]
+        return tuple(t.index_select(0, pos) for t in self.parts)
+
+
 # ---------------------------------------------------------------------------- recurrences
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.float().contiguous()
@@ -263,5 +287,5 @@ def ssm_scan(x, dt, A, Bm, C, state) -> tuple[torch.Tensor, torch.Tensor]:
     return y, S
 
 
-__all__ = ["NR", "OPS", "PackedWeight", "PackedExperts", "available", "describe", "linear", "elementwise", "attention", "delta_rule",
+__all__ = ["NR", "OPS", "BlockTable", "PackedWeight", "PackedExperts", "available", "describe", "linear", "elementwise", "attention", "delta_rule",
            "ssm_scan", "lib"]
