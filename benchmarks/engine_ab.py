@@ -9,10 +9,11 @@ Changes (the baseline is the same engine with the change taken out):
   new token of every chunk (PagedInput's `logit_rows=None`), as the engine did before.
 - `prefix-sharing`: requests that arrive together compute their common prefix once
   (engine/admission.py); the baseline never holds a waiting request for a leader.
-- `packed-linears`: a checkpoint's linear weights packed for oneDNN's kernel
-  (model/hf/gemm.py); the baseline multiplies the dense weights with torch's default
-  GEMM. Rounding differs between the two, so replies may differ where greedy picks
-  between near ties.
+- `kernels`: the row-invariant kernels (model/kernels: products, activations,
+  attention, recurrences); the baseline runs torch's kernels (oneDNN's packed weights
+  where this CPU multiplies the dtype fast), as `UNIRADIX_KERNELS=torch` would.
+  Rounding differs between the two, so replies may differ where greedy picks between
+  near ties.
 
 Both passes serve the same conversations with the cache on; they alternate, one fresh
 engine each, medians of --repeats; replies must be identical. Printed: input tok/s,
@@ -70,25 +71,34 @@ class NoHoldEngine(RecordingEngine):
         return False
 
 
-class DenseLinearsEngine(RecordingEngine):
-    """The model's linear weights dense, multiplied by torch's default GEMM (a copy of
-    the model: the other pass keeps its packed weights)."""
+class TorchKernelsEngine(RecordingEngine):
+    """The same model on torch's kernels: a copy of it whose weights are packed as torch's
+    path packs them (the other pass keeps the row-invariant kernels' panels), and every
+    forward run with the kernels switched off."""
 
     def __init__(self, model, *args, **kw) -> None:
         import copy
 
+        from uniradix.model import kernels
         from uniradix.model.hf.gemm import unpack
-        if hasattr(model, "pack_linears"):
-            model = copy.copy(model)
-            model.weights = {k: unpack(v) for k, v in model.weights.items()}
-            model._packed_head, model.packs = None, False
-        super().__init__(model, *args, **kw)
+        with kernels.off():
+            model = copy.copy(model)  # its own forward and (a checkpoint's) its own weights
+            if hasattr(model, "pack_linears"):
+                model.weights = {k: unpack(v) for k, v in model.weights.items()}
+                model._packed_head = None
+            forward = model.forward
+
+            def on_torch(*a, **k):
+                with kernels.off():
+                    return forward(*a, **k)
+            super().__init__(model, *args, **kw)
+            self.model.forward = on_torch
 
 
 #: change -> (its label, the baseline's engine, the baseline's label)
 CHANGES = {"head-rows": ("sampled rows", EveryRowEngine, "every row"),
            "prefix-sharing": ("sharing", NoHoldEngine, "no sharing"),
-           "packed-linears": ("oneDNN packed", DenseLinearsEngine, "torch GEMM")}
+           "kernels": ("row-invariant kernels", TorchKernelsEngine, "torch's kernels")}
 
 
 def measure(model, wl: MultiTurnWorkload, cls, a) -> dict:

@@ -50,3 +50,15 @@ def test_threads_benchmark_measures_idle_and_busy(tmp_path):
     rows = json.loads(out.strip().splitlines()[-1])["rows"]
     assert [(r["machine"], r["threads"]) for r in rows] == [("idle", 1), ("idle", 2), ("busy", 1), ("busy", 2)]
     assert all(r["prefill_tok_s"] > 0 and r["decode_ms"] > 0 for r in rows)
+
+
+def test_kernels_ab_runs_both_kernels(tmp_path):
+    """The row-invariant kernels against torch's in one process (kernels.off() for the
+    baseline): the same hit rate; replies may differ only where greedy meets a near tie,
+    so they are not compared here."""
+    out = run_script("engine_ab.py", "kernels", "--model-path", "tiny-hybrid", "--clients", "2", "--rounds", "2",
+                     "--tokens-per-round", "24", "--output-tokens", "3", "--page-size", "4", "--repeats", "1",
+                     tmp_path=tmp_path)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert "torch's kernels" in out and "row-invariant kernels" in out and result["errors"] == 0
+    assert result["baseline"]["all"]["hit_rate"] == result["change_on"]["all"]["hit_rate"] > 0

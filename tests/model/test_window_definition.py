@@ -17,12 +17,13 @@ from uniradix.tree.component import first_visible
 @pytest.mark.parametrize("W", [1, 2, 3, 5, 8])
 def test_the_mask_admits_exactly_the_last_w_keys(W):
     """With zero queries every admitted key gets the same weight, so the output over
-    one-hot values shows the admitted set: keys i - W < j <= i, from first_visible(i, W)."""
+    one-hot values shows the admitted set: keys i - W < j <= i, from first_visible(i, W)
+    (keys as wide as the values: the row-invariant kernel's attention, where it runs)."""
     S = 12
     pos = torch.arange(S)
-    q = torch.zeros(S, 1, 1)
+    q = torch.zeros(S, 1, S)
     v = torch.eye(S).view(S, 1, S)
-    out = attend(q, torch.zeros(S, 1, 1), v, pos, pos, W)[:, 0]
+    out = attend(q, torch.zeros(S, 1, S), v, pos, pos, W)[:, 0]
     for i in range(S):
         seen = {j for j in range(S) if out[i, j] > 0}
         assert seen == {j for j in range(S) if i - W < j <= i}, (i, W, seen)

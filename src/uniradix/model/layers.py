@@ -74,7 +74,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
     """q [T, H, d] at q_pos; k, v [S, KV, d] at k_pos. Causal; with a window, a query at
     i sees keys from first_visible(i, window) to i (the tree's reuse rule reads the same
     definition). Grouped-query: H is a multiple of KV. k_pos are consecutive positions."""
-    if _kernels(q) and len(k_pos) and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+    if _kernels(q) and len(k_pos) and q.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+            and v.shape[-1] == q.shape[-1]:  # the kernel's values are as wide as its keys
         lo = k_pos[0]
         start = q_pos - q_pos + lo if window is None else torch.clamp(first_visible(q_pos, window), min=lo)
         count = torch.clamp(q_pos - start + 1, min=0)

@@ -29,7 +29,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 OPS = {"exp": 0, "sigmoid": 1, "silu": 2, "softplus": 3, "gelu_tanh": 4, "tanh": 5}
 
 _lib = None
-_state = {"tried": False, "why": ""}
+_state = {"tried": False, "why": "", "off": 0}
 
 _i64, _f32, _int, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
@@ -70,13 +70,27 @@ def lib():
 
 
 def available() -> bool:
-    return lib() is not None
+    return not _state["off"] and lib() is not None
+
+
+class off:
+    """`with kernels.off():` torch's kernels for what runs inside (an A/B baseline in one
+    process: benchmarks/engine_ab.py). Process-wide while it lasts."""
+
+    def __enter__(self):
+        _state["off"] += 1
+        return self
+
+    def __exit__(self, *exc):
+        _state["off"] -= 1
 
 
 def describe() -> str:
     """For the start-up line: which kernels the forward runs on."""
     if available():
         return f"row-invariant kernels ({_lib.ur_isa().decode()})"
+    if _state["off"]:
+        return "torch's kernels (switched off here)"
     return (f"torch's kernels ({_state['why'] or 'not loaded'}): a row's values depend on the rows beside it, so "
             "reuse is exact only within a bound")
 
@@ -186,28 +200,36 @@ class PackedExperts:
 
 def linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W^T (+ b) accumulated in float32 (each output one chain of fused
-    multiply-adds in input order), rounded once to x's dtype."""
-    L = lib()
+    multiply-adds in input order), rounded once to x's dtype. (Called ~100 times a decode
+    step: every torch call here costs microseconds, so none is made that is not needed.)"""
     K, N = w.in_features, w.out_features
     if x.shape[-1] != K:
         raise ValueError(f"linear: input has {x.shape[-1]} features, the weight takes {K}")
-    x2 = x.reshape(-1, K)
-    xf = x2 if x2.dtype == torch.float32 and x2.is_contiguous() else x2.float().contiguous()
-    bf = None if b is None else b.float().contiguous()
-    y = torch.empty(x2.shape[0], N, dtype=torch.float32)
-    L.ur_linear(xf.data_ptr(), xf.shape[0], K, K, w.panels.data_ptr(), _DTYPES[w.dtype], N, _ptr(bf), y.data_ptr(),
-                N, _threads())
-    return y.to(x.dtype).view(*x.shape[:-1], N)
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(-1, K)
+    xf = x2 if x2.dtype is torch.float32 and x2.is_contiguous() else x2.float().contiguous()
+    if b is not None and (b.dtype is not torch.float32 or not b.is_contiguous()):
+        b = b.float().contiguous()
+    y = torch.empty((xf.shape[0], N), dtype=torch.float32)
+    lib().ur_linear(xf.data_ptr(), xf.shape[0], K, K, w.panels.data_ptr(), _DTYPES[w.panels.dtype], N,
+                   None if b is None else b.data_ptr(), y.data_ptr(), N, torch.get_num_threads())
+    if x.dtype is not torch.float32:
+        y = y.to(x.dtype)
+    return y if flat else y.view(*x.shape[:-1], N)
 
 
 # ---------------------------------------------------------------------------- elementwise
 def elementwise(op: str, x: torch.Tensor, param: float = 0.0) -> torch.Tensor:
     """f(x) computed in float32 by kernels.c's fixed implementation, rounded to x's
     dtype."""
-    xf = x.float().contiguous()
-    y = torch.empty_like(xf) if xf is x or xf.data_ptr() == x.data_ptr() else xf
-    lib().ur_elementwise(OPS[op], xf.data_ptr(), y.data_ptr(), xf.numel(), float(param), _threads())
-    return y.to(x.dtype)
+    if x.dtype is torch.float32 and x.is_contiguous():
+        xf, y = x, torch.empty_like(x)
+    else:
+        xf = y = x.float().contiguous()  # a copy already: computed in place
+        if xf.data_ptr() == x.data_ptr():
+            y = torch.empty_like(xf)
+    lib().ur_elementwise(OPS[op], xf.data_ptr(), y.data_ptr(), xf.numel(), float(param), torch.get_num_threads())
+    return y if x.dtype is torch.float32 else y.to(x.dtype)
 
 
 # ---------------------------------------------------------------------------- attention
@@ -287,5 +309,5 @@ def ssm_scan(x, dt, A, Bm, C, state) -> tuple[torch.Tensor, torch.Tensor]:
     return y, S
 
 
-__all__ = ["NR", "OPS", "BlockTable", "PackedWeight", "PackedExperts", "available", "describe", "linear", "elementwise", "attention", "delta_rule",
+__all__ = ["NR", "OPS", "BlockTable", "off", "PackedWeight", "PackedExperts", "available", "describe", "linear", "elementwise", "attention", "delta_rule",
            "ssm_scan", "lib"]
