@@ -33,6 +33,7 @@ import sys
 import tempfile
 
 from uniradix.bench import MultiTurnWorkload, run_multiturn
+from uniradix.config import EngineConfig
 from uniradix.engine import Engine
 from uniradix.hicache.backends.file import FileBackend
 
@@ -42,11 +43,12 @@ CONFIGS = ("L1", "L1+L2", "L1+L2+L3")
 
 def run(config: str, wl: MultiTurnWorkload, a, store_dir: str) -> tuple[list, dict]:
     storage = FileBackend(store_dir) if "L3" in config else None
-    eng = Engine(a.model_preset, page_size=a.page_size, max_total_tokens=a.max_total_tokens,
-                 max_running_requests=a.max_running_requests, storage=storage,
-                 prefetch_threshold=a.prefetch_threshold,
-                 hicache_storage_prefetch_policy="wait_complete",
-                 enable_hierarchical_cache="L2" in config, hicache_ratio=a.hicache_ratio)
+    settings = dict(page_size=a.page_size, max_total_tokens=a.max_total_tokens,
+                    max_running_requests=a.max_running_requests, prefetch_threshold=a.prefetch_threshold,
+                    hicache_storage_prefetch_policy="wait_complete",
+                    enable_hierarchical_cache="L2" in config, hicache_ratio=a.hicache_ratio)
+    # a tier this configuration leaves out takes none of its settings (an Engine refuses them)
+    eng = Engine(a.model_preset, storage=storage, **EngineConfig.only_in_effect(settings, store=storage is not None))
     try:
         rounds = run_multiturn(eng, wl)
         return rounds, eng.stats()

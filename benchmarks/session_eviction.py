@@ -219,9 +219,9 @@ class Cell:
 
 def run_cell(cell: Cell, model, system: list[int], convs: list[Conversation], a) -> dict:
     """One fresh engine serves the whole workload; its figures."""
+    host = dict(enable_hierarchical_cache=True, hicache_ratio=a.hicache_ratio) if cell.tiers == "L1+L2" else {}
     eng = Engine(model, page_size=a.page_size, max_total_tokens=a.max_total_tokens,
-                 max_running_requests=cell.batch, max_mamba_cache_size=a.max_mamba_cache_size,
-                 enable_hierarchical_cache=cell.tiers == "L1+L2", hicache_ratio=a.hicache_ratio)
+                 max_running_requests=cell.batch, max_mamba_cache_size=a.max_mamba_cache_size, **host)
     try:
         t0 = time.perf_counter()
         served = Driver(eng, system, convs, a.live_sessions, cell.eviction == "session").run()

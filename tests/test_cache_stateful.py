@@ -214,7 +214,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.live.remove(req)
         assert not req.held
         if sid is not None and node.parent is not None:
-            self.sessions.add(sid)
+            self.sessions.add((sid, req.salt))  # a session is its tenant's: (id, salt)
 
     @precondition(lambda self: self.live)
     @rule(pick=PICK)
@@ -224,10 +224,10 @@ class CacheMachine(RuleBasedStateMachine):
         self.live.remove(req)
 
     @precondition(lambda self: self.sessions)
-    @rule(sid=st.integers(0, 2))
-    def close_session(self, sid):
-        assert self.cache.close_session(sid) == (sid in self.sessions)
-        self.sessions.discard(sid)
+    @rule(sid=st.integers(0, 2), salt=st.sampled_from([None, "tenant-a", "tenant-b"]))
+    def close_session(self, sid, salt):
+        assert self.cache.close_session(sid, salt) == ((sid, salt) in self.sessions)
+        self.sessions.discard((sid, salt))
 
     @precondition(lambda self: self.tree.num_nodes)
     @rule(what=st.sampled_from(["full_pages", "swa_pages", "mamba_slots"] * 3 + ["flush"]),
@@ -285,8 +285,8 @@ class CacheMachine(RuleBasedStateMachine):
             self.cache.release(req)
         self.live = []
         self.accounting_is_exact()
-        for sid in list(self.sessions):
-            assert self.cache.close_session(sid), f"session {sid} was not open"
+        for sid, salt in list(self.sessions):
+            assert self.cache.close_session(sid, salt), f"session {sid} of {salt!r} was not open"
         assert self.cache.flush(), "flush refused with no request running"
         assert self.tree.num_nodes == 0, f"flush left {self.tree.num_nodes} nodes"
         for p in self.pools:

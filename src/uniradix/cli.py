@@ -56,9 +56,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         transcript: list = []
         reports = run_multiturn(engine, wl, (lambda r: bar.update(1)) if bar else None, chat, transcript)
     finally:
-        engine.close()
-        if engine.storage is not None:
-            engine.storage.backend.close()  # the run made it: it reports what it has not logged yet
+        engine.close()  # and the backend it opened: it reports what it has not logged yet
         if bar:
             bar.close()
     failed = sum(r.errors for r in reports)

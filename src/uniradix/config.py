@@ -46,13 +46,16 @@ def count(lo: int = 1):
     return check
 
 
-def number(above: float | None = None, at_least: float | None = None):
+def number(above: float | None = None, at_least: float | None = None, at_most: float | None = None):
     what = f"> {above:g}" if above is not None else f">= {at_least:g}"
+    if at_most is not None:
+        what += f" and <= {at_most:g}"
 
     def check(v):
         if not finite_number(v):
             return f"a finite number {what}"
-        if (above is not None and not v > above) or (at_least is not None and not v >= at_least):
+        if (above is not None and not v > above) or (at_least is not None and not v >= at_least) or \
+                (at_most is not None and not v <= at_most):
             return f"a finite number {what}"
         return None
     return check
@@ -73,14 +76,23 @@ def optional(inner):
 
 
 def setting(default, help: str, *, check=None, choices: tuple | None = None, extra: bool = False,
-            secret: bool = False, flag: bool = True, metavar: str | None = None, several: bool = False):
+            secret: bool = False, flag: bool = True, metavar: str | None = None, several: bool = False,
+            needs: tuple[str, ...] = ()):
     """A config field. `choices`: the allowed values; `check`: see above; `extra`: read
     from the storage extra-config JSON rather than a flag; `secret`: never echoed in a
     message; `flag`: False for settings the API takes but the CLI does not offer;
-    `several`: the flag takes one or more values (a tuple)."""
+    `several`: the flag takes one or more values (a tuple); `needs`: what the setting
+    takes effect through (names in NEEDS, any one will do): given without it, it is
+    refused rather than ignored (EngineConfig.check_in_effect)."""
     return field(default=default, metadata=dict(help=help, check=check, choices=choices, extra=extra,
                                                 secret=secret, flag=flag and not extra, metavar=metavar,
-                                                several=several))
+                                                several=several, needs=needs))
+
+
+#: what a setting may need to take effect (`setting(needs=...)`), as a message names it
+NEEDS = {"store": "an L3 store (--hicache-storage-backend; an Engine may be given a backend instead)",
+         "host": "the host tier (--enable-hierarchical-cache)",
+         "selective": "--hicache-write-policy write_through_selective"}
 
 
 def flag_name(name: str) -> str:
@@ -178,15 +190,16 @@ class HostTierConfig(Settings):
     enable_hierarchical_cache: bool = setting(
         False, "add the host tier (L2): host copies of every pool, loaded back layer by layer",
         check=flag_bool)
-    hicache_ratio: float = setting(2.0, "host pools as a multiple of the device pools (must be > 1)")
+    hicache_ratio: float = setting(2.0, "host pools as a multiple of the device pools (must be > 1)",
+                                   needs=("host",))
     hicache_size: float | None = setting(None, "host pools in GB in all; overrides --hicache-ratio",
-                                         check=optional(number(above=0)))
+                                         check=optional(number(above=0)), needs=("host",))
     hicache_write_policy: str = setting(
         "write_through", "when data goes down a tier: when cached (write_through), once reused "
         "--write-through-threshold times (write_through_selective), or when it leaves the tier above "
-        "(write_back, needs --enable-hierarchical-cache)", choices=WRITE_POLICIES)
+        "(write_back, needs --enable-hierarchical-cache)", choices=WRITE_POLICIES, needs=("host", "store"))
     write_through_threshold: int = setting(2, "accesses before write_through_selective writes a prefix",
-                                           check=count())
+                                           check=count(), needs=("selective",))
 
     def check(self) -> None:
         if self.enable_hierarchical_cache and self.hicache_size is None and number(above=1)(self.hicache_ratio):
@@ -199,6 +212,11 @@ class HostTierConfig(Settings):
         return self.write_through_threshold if self.hicache_write_policy == "write_through_selective" else 0
 
 
+#: the longest announce_interval: a record read from a shared namespace that claims a
+#: longer one is invalid (hicache/instances.py), so that no record, however written,
+#: holds an announcement slot for more than 6 of these after it stops
+ANNOUNCE_INTERVAL_MAX = 60.0
+
 #: the environment variable that holds the L3 objects' MAC key when auth_secret is not set
 L3_SECRET_ENV = "UNIRADIX_L3_SECRET"
 
@@ -206,10 +224,13 @@ L3_SECRET_ENV = "UNIRADIX_L3_SECRET"
 @dataclass(frozen=True)
 class StorageConfig(Settings):
     """Shared storage (L3): the backend, how long a request waits for a read, and what
-    names the data (the model's fingerprint, the objects' MAC secret)."""
+    names the data (the model's fingerprint, the objects' MAC secret). The tier's own
+    keys in the extra-config JSON are read into their fields here, whoever makes the
+    config (the CLI, `Engine(**settings)`), so that each is in force or refused."""
 
     hicache_storage_backend: str | None = setting(
-        None, "L3 shared storage: finished work is written through, deeper prefixes are loaded",
+        None, "L3 shared storage: finished work is written through, deeper prefixes are loaded; a store "
+              "that cannot be reached at start-up stops the start (see allow_unavailable_at_start)",
         choices=(None, *STORAGE_BACKENDS))
     hicache_storage_backend_extra_config: str | None = setting(
         None, "backend settings as a JSON object or @file (path, url, prefix, ...), and the tier's own: "
@@ -217,30 +238,67 @@ class StorageConfig(Settings):
               "prefetch_timeout_base / _per_ki_token / _max (seconds, default 1 / 0.25 / 3), "
               "io_timeout (seconds, default 30: the longest wait for one read or a flush), "
               "model_fingerprint (the model's name in the store), auth_secret (MAC key of the objects), "
-              "announce_interval (seconds between a server's announcements in its namespace, default 5)",
-        check=optional(text))
+              "announce_interval (seconds between a server's announcements in its namespace, default 5), "
+              "allow_unavailable_at_start (true: start even if the store cannot be reached yet, "
+              "default false)",
+        check=optional(text), needs=("store",))
     hicache_storage_prefetch_policy: str = setting("best_effort", "how long a request waits for its L3 read",
-                                                   choices=PREFETCH_POLICIES)
+                                                   choices=PREFETCH_POLICIES, needs=("store",))
     prefetch_threshold: int = setting(256, "tokens beyond the device hit worth an L3 read", check=count(0),
-                                      extra=True)
+                                      extra=True, needs=("store",))
     prefetch_timeout_base: float = setting(1.0, "seconds a timeout-policy read may take, base",
-                                           check=number(at_least=0), extra=True)
+                                           check=number(at_least=0), extra=True, needs=("store",))
     prefetch_timeout_per_ki_token: float = setting(0.25, "seconds more per 1024 tokens read",
-                                                   check=number(at_least=0), extra=True)
+                                                   check=number(at_least=0), extra=True, needs=("store",))
     prefetch_timeout_max: float = setting(3.0, "seconds a timeout-policy read may take at most",
-                                          check=number(at_least=0), extra=True)
+                                          check=number(at_least=0), extra=True, needs=("store",))
     io_timeout: float = setting(30.0, "seconds the tier waits for one L3 read (wait_complete too) or for the "
                                       "pending writes of a flush; past it the call is abandoned and counted",
-                                check=number(above=0), extra=True)
+                                check=number(above=0), extra=True, needs=("store",))
     model_fingerprint: str | None = setting(None, "the model's name in the store (default: a digest "
                                                   "of its config and weights)", check=optional(text),
-                                            extra=True)
+                                            extra=True, needs=("store",))
     auth_secret: str | None = setting(None, "key of the objects' MAC (default: $UNIRADIX_L3_SECRET)",
-                                      check=optional(text), extra=True, secret=True)
+                                      check=optional(text), extra=True, secret=True, needs=("store",))
     announce_interval: float = setting(5.0, "seconds between two announcements of a server in its L3 namespace "
-                                            "(other instances count it gone after 6 missed)",
-                                       check=number(above=0), extra=True)
-    rank: int = setting(0, "tensor-parallel rank (part of the namespace)", check=count(0), flag=False)
+                                            "(other instances count it gone after 6 missed; at most "
+                                            f"{ANNOUNCE_INTERVAL_MAX:g})",
+                                       check=number(above=0, at_most=ANNOUNCE_INTERVAL_MAX), extra=True,
+                                       needs=("store",))
+    allow_unavailable_at_start: bool = setting(
+        False, "start even when the store cannot be reached at start-up (it may come later: L3 calls fail, "
+               "counted, until it answers); by default an unreachable store stops the start",
+        check=flag_bool, extra=True, needs=("store",))
+    rank: int = setting(0, "tensor-parallel rank (part of the namespace)", check=count(0), flag=False,
+                        needs=("store",))
+
+    def __post_init__(self) -> None:
+        self._read_tier_keys()
+        super().__post_init__()
+
+    def _read_tier_keys(self) -> None:
+        """The tier's own keys of the extra-config JSON into their fields (a key also
+        given as a setting, with another value, is refused: which would win?); an
+        unknown prefetch_* key is refused too (a misspelt tier key would reach the
+        backend, which names it less clearly)."""
+        if not self.hicache_storage_backend_extra_config:
+            return
+        from_json = parse_extra_config(self.hicache_storage_backend_extra_config)
+        keys = self.tier_keys()
+        unknown = sorted(k for k in from_json if k.startswith("prefetch_") and k not in keys)
+        if unknown:
+            raise ValueError(f"--hicache-storage-backend-extra-config: unknown prefetch setting(s) {unknown}; "
+                             f"known: {', '.join(k for k in keys if k.startswith('prefetch_'))}")
+        declared = {f.name: f for f in fields(self)}
+        for k in keys:
+            if k not in from_json:
+                continue
+            v, mine = from_json[k], getattr(self, k)
+            if mine != declared[k].default and mine != v:
+                shown = HIDDEN if declared[k].metadata.get("secret") else f"{mine!r} and {v!r}"
+                raise ValueError(f"{k} is given twice, as a setting and in --hicache-storage-backend-extra-config "
+                                 f"({shown}): give it once")
+            object.__setattr__(self, k, v)
 
     def as_dict(self) -> dict:
         """As Settings.as_dict; a secret taken from $UNIRADIX_L3_SECRET is in force too,
@@ -357,6 +415,42 @@ class EngineConfig:
         """Every setting by name (secrets hidden): what a server reports as in force."""
         return {k: v for group in GROUPS for k, v in getattr(self, group).as_dict().items()}
 
+    def not_in_effect(self, *, store: bool) -> list[tuple[str, tuple[str, ...]]]:
+        """The settings given (away from their defaults: a default changes nothing
+        either way) that the engine would not use, each with what it needs (NEEDS
+        names): a tier or a policy that is off. `store`: the engine has an L3 store."""
+        have = {"store": store, "host": self.host.enable_hierarchical_cache,
+                "selective": self.host.hicache_write_policy == "write_through_selective"}
+        out = []
+        for group in GROUPS:
+            cfg = getattr(self, group)
+            for f in fields(cfg):
+                needs = f.metadata.get("needs") or ()
+                if needs and not any(have[n] for n in needs) and getattr(cfg, f.name) != f.default:
+                    out.append((f.name, needs))
+        return out
+
+    @classmethod
+    def only_in_effect(cls, settings: dict, *, store: bool) -> dict:
+        """`settings` without those that would not take effect: for a program that
+        replays one configuration's settings under another (a tier turned off)."""
+        settings = dict(settings)
+        while idle := cls.of(**settings).not_in_effect(store=store):
+            for name, _ in idle:   # each is in `settings`: nothing else is away from its default
+                del settings[name]
+        return settings
+
+    def check_in_effect(self, *, store: bool) -> None:
+        """Refuse a setting given that would not take effect (see not_in_effect): a
+        ValueError naming the first and what it needs, never a setting silently ignored."""
+        idle = self.not_in_effect(store=store)
+        if idle:
+            name, needs = idle[0]
+            f = next(f for group in GROUPS for f in fields(getattr(self, group)) if f.name == name)
+            more = f" (and {', '.join(n for n, _ in idle[1:])})" if len(idle) > 1 else ""
+            raise ValueError(f"{_label(f)}{more} has no effect without {' or '.join(NEEDS[n] for n in needs)}: "
+                             f"add that, or leave it out")
+
 
 def _plain(cfg) -> dict:
     return {f.name: getattr(cfg, f.name) for f in fields(cfg)}
@@ -416,20 +510,10 @@ def from_args(config_cls, ns: argparse.Namespace, **extra):
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
-    """The engine's settings from `uniradix run` / `serve` flags; the storage tier's own
-    settings come out of the extra config JSON."""
-    storage_extra = {}
-    if getattr(ns, "hicache_storage_backend", None):
-        from_json = parse_extra_config(getattr(ns, "hicache_storage_backend_extra_config", None))
-        keys = StorageConfig.tier_keys()
-        unknown = sorted(k for k in from_json if k.startswith("prefetch_") and k not in keys)
-        if unknown:
-            raise ValueError(f"--hicache-storage-backend-extra-config: unknown prefetch setting(s) {unknown}; "
-                             f"known: {', '.join(k for k in keys if k.startswith('prefetch_'))}")
-        storage_extra = {k: v for k, v in from_json.items() if k in keys}
+    """The engine's settings from `uniradix run` / `serve` flags (the storage tier's own
+    come out of the extra config JSON: StorageConfig reads them)."""
     return EngineConfig(cache=from_args(CacheConfig, ns), host=from_args(HostTierConfig, ns),
-                        storage=from_args(StorageConfig, ns, **storage_extra),
-                        scheduler=from_args(SchedulerConfig, ns))
+                        storage=from_args(StorageConfig, ns), scheduler=from_args(SchedulerConfig, ns))
 
 
 _DECLARED: set = set()

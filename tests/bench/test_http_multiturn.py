@@ -67,7 +67,7 @@ def test_tier_split_is_summed_and_a_stream_error_event_is_a_failed_request(serve
     from uniradix.bench import http_multiturn as hm
     a = Namespace(url=f"http://127.0.0.1:{server.port}", api="sglang", model="m", api_key=None, clients=2, rounds=2,
                   preamble_words=10, document_words=10, new_words=4, output_tokens=3, max_parallel=2,
-                  request_rate=0.0, session_id=True, routing_key=False, seed=3, timeout=60.0, log=None, plot=None,
+                  request_rate=0.0, session_id=True, routing_key=False, seed=3, timeout=600.0, log=None, plot=None,
                   no_progress=True)
     rows = hm.run(a)
     assert all(r["cached_by_tier"] is not None for r in rows)

@@ -219,4 +219,5 @@ def test_tier_settings_and_backend_settings_split_on_one_list():
     from uniradix.hicache.backends import TIER_KEYS
     assert TIER_KEYS == StorageConfig.tier_keys()
     assert set(TIER_KEYS) == {"prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
-                              "prefetch_timeout_max", "io_timeout", "model_fingerprint", "auth_secret", "announce_interval"}
+                              "prefetch_timeout_max", "io_timeout", "model_fingerprint", "auth_secret", "announce_interval",
+                              "allow_unavailable_at_start"}

@@ -31,7 +31,9 @@ def test_salts_equal_in_python_are_separate_tenants_in_every_tier(make_engine, t
     rng = random.Random(5)
     prompt = toks(rng, 32)
     store = (lambda: FileBackend(str(tmp_path))) if tier == "storage" else (lambda: None)
-    kw = dict(page_size=4, max_total_tokens=1024, storage=store(), prefetch_threshold=1)
+    kw = dict(page_size=4, max_total_tokens=1024, storage=store())
+    if tier == "storage":   # a store's setting (an engine without one refuses it)
+        kw["prefetch_threshold"] = 1
     eng = make_engine("tiny-hybrid", **kw)
     first = greedy(prompt, 3)
     first.salt = 1

@@ -69,8 +69,9 @@ class ServiceProcess:
     install = "install it"    # how to get it, for the skip message
     tag = "service"           # in the temporary directory's name
     log_name = "service.log"
-    start_timeout = 10.0      # seconds until it must be ready
-    stop_timeout = 5.0        # seconds to wait after SIGTERM (and after SIGKILL)
+    # guards against a hang only: a loaded machine starts and stops a process slowly
+    start_timeout = 120.0     # seconds until it must be ready
+    stop_timeout = 60.0       # seconds to wait after SIGTERM (and after SIGKILL)
     log_lines = 5             # lines of log in an error message
     not_ready = "did not become ready"
 

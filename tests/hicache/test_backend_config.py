@@ -196,9 +196,10 @@ def test_dynamic_backend_built():
 def test_tier_keys_never_reach_the_backend(tmp_path):
     assert set(TIER_KEYS) == {"prefetch_threshold", "prefetch_timeout_base",
                               "prefetch_timeout_per_ki_token", "prefetch_timeout_max", "io_timeout",
-                              "model_fingerprint", "auth_secret", "announce_interval"}
+                              "model_fingerprint", "auth_secret", "announce_interval", "allow_unavailable_at_start"}
     tier = {"prefetch_threshold": 64, "prefetch_timeout_base": 1.0, "prefetch_timeout_per_ki_token": 0.5,
-            "prefetch_timeout_max": 3, "io_timeout": 5, "model_fingerprint": "abc123", "auth_secret": "s3cret"}
+            "prefetch_timeout_max": 3, "io_timeout": 5, "model_fingerprint": "abc123", "auth_secret": "s3cret",
+            "allow_unavailable_at_start": True}
     b = make_backend("file", json.dumps({"path": str(tmp_path / "l3"), **tier}))
     assert isinstance(b, FileBackend)
     b = make_backend("dynamic", dynamic(tag=1, **tier))   # not passed to the constructor

@@ -247,7 +247,7 @@ def test_threads_share_one_backend(backend):
     for th in threads:
         th.start()
     for th in threads:
-        th.join(60)
+        th.join(300)   # a guard against a hang: 1,000 calls on a loaded machine
     assert not any(th.is_alive() for th in threads)
     assert not errors
     st = backend.stats()
@@ -274,7 +274,7 @@ def test_set_if_absent_keeps_the_first_value(store, backend):
     for th in threads:
         th.start()
     for th in threads:
-        th.join(60)
+        th.join(300)   # a guard against a hang only
     (got,) = backend.batch_get([k2])
     assert got in {f"writer {i}".encode() for i in range(4)}
     if store.tells_set_if_absent:

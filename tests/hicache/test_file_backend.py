@@ -187,7 +187,7 @@ def test_only_regular_files_are_read(fb, monkeypatch):
     reader = threading.Thread(target=lambda: got.append(fb.batch_get(K[:4])), daemon=True)
     try:
         reader.start()
-        reader.join(30)   # a guard: a read that waits on the FIFO fails here, not hangs the run
+        reader.join(120)   # a guard: a read that waits on the FIFO fails here, not hangs the run
         assert got == [[None] * 4]
     finally:
         sock.close()

@@ -28,7 +28,7 @@ from uniradix.hicache.backends import mooncake as mc
 from uniradix.hicache.backends.mooncake import MooncakeBackend, resolve_settings
 from uniradix.hicache.storage import StorageUnavailable
 
-BOUND_S = 15.0   # a guard only: every failing call must return well within this
+BOUND_S = 60.0   # a guard only: every failing call must return well within this (a loaded machine too)
 
 
 @pytest.fixture
@@ -250,19 +250,19 @@ def test_missing_mooncake_package_says_how_to_install(monkeypatch):
 
 
 # --------------------------------------------------------------------------- faults
-def test_master_down_at_start_then_up(caplog):
+def test_master_down_at_start_then_up():
     require_mooncake()
     port = free_port()
     addr = f"127.0.0.1:{port}"   # nothing listens there
     t = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="uniradix.hicache"):
-        b = MooncakeBackend({"master": addr, **SIZES})   # warns, does not fail: the engine goes on
+    b = MooncakeBackend({"master": addr, **SIZES})   # builds: whether a start may go on is the probe's to say
     assert time.monotonic() - t < BOUND_S
-    assert any(addr in r.getMessage() for r in caplog.records)
     with b:
+        with pytest.raises(StorageUnavailable, match=addr):
+            b.probe()   # what open_backend asks at start-up
         calls = assert_unavailable(b, addr, BOUND_S)
         st = b.stats()
-        assert st["errors"] == 1 + calls and st["hits"] == 0 and st["connects"] == 0
+        assert st["errors"] == 2 + calls and st["hits"] == 0 and st["connects"] == 0
         assert st["sets"] == st["set_failures"] == 2 and st["connected"] is False
         with master_server(port=port):   # the master comes up: the next call connects
             assert b.batch_set(keys(2, ns="late"), [b"a", b"b"]) == [True, True]

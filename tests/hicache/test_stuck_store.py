@@ -25,7 +25,7 @@ from uniradix.hicache.backends.file import FileBackend  # noqa: E402
 from uniradix.tree.component import page_floor  # noqa: E402
 
 POLICIES = ["best_effort", "wait_complete", "timeout"]
-GUARD_S = 60.0
+GUARD_S = 300.0   # a hang is for ever: a loaded machine is never this slow on these calls
 
 
 def bounded(fn, seconds=GUARD_S) -> bool:
@@ -184,11 +184,11 @@ def test_a_step_never_blocks_on_a_read_that_hangs(tmp_path):
     r = greedy(nxt, 3)
     b.submit(r)
     try:
-        assert bounded(b.step, 10) and b.prefetching
+        assert bounded(b.step) and b.prefetching
         other = greedy([9] * 20, 3)     # too short to read from L3: served while r waits
         b.submit(other)
-        assert bounded(lambda: [b.step() for _ in range(40)], 30) and other.status == "finished"
-        assert b.prefetching and bounded(b.stats, 10)
+        assert bounded(lambda: [b.step() for _ in range(40)]) and other.status == "finished"
+        assert b.prefetching and bounded(b.stats)
     finally:
         store.release.set()
     assert bounded(lambda: b.run([r]))
@@ -210,8 +210,8 @@ def test_wait_complete_over_a_store_that_hangs(tmp_path):
     try:
         first = greedy(nxt, 3)
         b.submit(first)
-        assert bounded(b.step, 10) and b.prefetching    # waiting for its read, the step returned
-        assert bounded(b.stats, 10)                     # what /metrics reads
+        assert bounded(b.step) and b.prefetching    # waiting for its read, the step returned
+        assert bounded(b.stats)                     # what /metrics reads
         second = greedy(nxt[:50] + [7, 7, 7], 3)
         assert bounded(lambda: b.run([first, second]))
         s = b.stats()
@@ -224,7 +224,7 @@ def test_wait_complete_over_a_store_that_hangs(tmp_path):
         assert b.stats()["storage_prefetches"] == 2    # both read threads stuck: the rest computed
         threads = [t for t in threading.enumerate() if t.name.startswith("uniradix-l3")]
         assert threads and all(t.daemon for t in threads)
-        assert bounded(lambda: b.close(timeout=0.2), 10)   # its writes wait on the store too
+        assert bounded(lambda: b.close(timeout=0.2))   # its writes wait on the store too
         assert b.stats()["storage_pending_writes"] == 0
     finally:
         store.release.set()
@@ -242,8 +242,8 @@ def test_metrics_say_what_a_hanging_store_cost(tmp_path, monkeypatch):
                prefetch_timeout_base=0.05, prefetch_timeout_max=0.05, io_timeout=0.3)
     try:
         rs = [greedy([i + 3] * 30, 2) for i in range(5)]
-        assert bounded(lambda: b.run(rs[:1]), 30)                # its read is given up, its write waits
-        assert bounded(lambda: b.run(rs[1:]), 30)                # reads stuck: computed; writes pile up
+        assert bounded(lambda: b.run(rs[:1]))                # its read is given up, its write waits
+        assert bounded(lambda: b.run(rs[1:]))                # reads stuck: computed; writes pile up
         s = b.stats()
         assert s["storage_prefetch_abandoned"] >= 1 and s["storage_writes_dropped"] >= 1
         text = ServerMetrics().render({"engine": s, "output_tokens": 0, "sessions": 0}).decode()
@@ -255,7 +255,7 @@ def test_metrics_say_what_a_hanging_store_cost(tmp_path, monkeypatch):
         assert s["storage_pending_writes"] >= 1
     finally:
         store.release.set()
-    assert bounded(lambda: b.close(timeout=5), 30)
+    assert bounded(lambda: b.close(timeout=5))
 
 
 def test_io_threads_are_daemons_and_shutdown_never_waits_for_a_stuck_call():
@@ -269,13 +269,13 @@ def test_io_threads_are_daemons_and_shutdown_never_waits_for_a_stuck_call():
     pool = DaemonThreads(1, "uniradix-l3-test")
     try:
         stuck = pool.submit(stuck_call)
-        assert started.wait(10)
+        assert started.wait(GUARD_S)
         queued = pool.submit(lambda: 1)
         assert all(t.daemon for t in pool._threads)
-        assert bounded(lambda: pool.shutdown(timeout=0.05), 10)   # returns with the call still stuck
+        assert bounded(lambda: pool.shutdown(timeout=0.05))   # returns with the call still stuck
         assert queued.cancelled() and not stuck.done()
         with pytest.raises(RuntimeError, match="shut down"):
             pool.submit(lambda: 2)
     finally:
         gate.set()
-    assert stuck.result(10) is True
+    assert stuck.result(GUARD_S) is True

@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 
-from server_proc import ServerProc
+from server_proc import HANG_S, ServerProc
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "hicache"))
 from service_process import free_port  # noqa: E402  (re-exported: the fleet benchmark takes it from here)
@@ -28,7 +28,7 @@ class GatewayProc(ServerProc):
     name = "smg"
 
     def __init__(self, worker_urls: list[str], policy: str = "cache_aware", *flags: str,
-                 startup_s: float = 60.0) -> None:
+                 startup_s: float = HANG_S) -> None:
         binary = smg_binary()
         if binary is None:
             raise RuntimeError("smg is not installed (pip install smg: a test dependency)")
@@ -70,7 +70,7 @@ class GatewayProc(ServerProc):
         assert status == 200, body
         return body["workers"]
 
-    def stop(self, timeout: float = 20.0) -> int:
+    def stop(self, timeout: float = HANG_S) -> int:
         try:
             return super().stop(timeout)
         finally:

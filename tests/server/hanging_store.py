@@ -3,12 +3,17 @@ a file store whose reads never return, as a store that stopped answering would."
 import threading
 
 from uniradix.hicache.backends.file import FileBackend
+from uniradix.hicache.storage import PROBE_KEY
 
 
 class HangingStore(FileBackend):
-    """Every read blocks for good (until the process ends)."""
+    """Every read blocks for good (until the process ends), once the server is up: it
+    answered the start-up's probe, and stopped answering after."""
 
     _never = threading.Event()
+
+    def probe(self):
+        FileBackend.batch_exists(self, [PROBE_KEY])
 
     def batch_get(self, keys):
         self._never.wait()

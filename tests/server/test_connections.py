@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from server_proc import ServerProc
+from server_proc import HANG_S, ServerProc
 
 HEAD_S = 2.0
 CAP = 3
@@ -166,7 +166,7 @@ def test_under_a_low_file_descriptor_limit_a_normal_client_still_gets_through():
             except OSError:
                 break
             time.sleep(0.003)  # paced: a full listen queue would only slow the test (SYN retries)
-        c = s.conn(timeout=20)
+        c = s.conn()
         try:
             c.request("POST", "/generate", body=json.dumps(GOOD), headers={"Content-Type": "application/json"})
             assert c.getresponse().status == 200
@@ -199,7 +199,7 @@ def send_head_and_part_of_a_body(srv) -> socket.socket:
 def logged(srv, since: int, text: str, n: int) -> str:
     """The server's output since line `since`, once `text` is in it `n` times (log lines
     reach stdout through the masking relay, a moment after what they tell)."""
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_S
     while True:
         new = "".join(srv.lines[since:])
         if new.count(text) >= n or time.monotonic() > deadline:
@@ -261,7 +261,7 @@ def test_at_the_cap_a_client_still_sending_its_body_makes_room(srv):
     finally:
         for s in slow[1:]:
             s.close()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_S
     while counters(srv)["client_disconnects_total"] < before["client_disconnects_total"] + 2:
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -322,12 +322,12 @@ def test_a_client_that_leaves_after_its_body_is_counted_and_logged_once(srv, cas
             assert chunk, got
             got += chunk
     else:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_S
         while srv.metrics()["uniradix_running_requests"] < prompts:
             assert time.monotonic() < deadline
             time.sleep(0.05)
     s.close()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_S
     while counters(srv)["client_disconnects_total"] == before["client_disconnects_total"]:
         assert time.monotonic() < deadline, "not counted"
         time.sleep(0.05)
@@ -374,7 +374,7 @@ def test_a_client_that_does_not_read_its_answers_is_cut():
         before = counters(s)
         stuck = a_client_that_never_reads(s)
         key = 'connections_closed_total{reason="write_timeout"}'
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_S
         while counters(s)[key] == before[key]:
             assert time.monotonic() < deadline, counters(s)
             time.sleep(0.1)

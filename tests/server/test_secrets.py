@@ -215,7 +215,8 @@ def env() -> dict:
 
 def test_server_info_logs_and_backend_errors_show_no_secret():
     s = ServerProc("--hicache-storage-backend", "dynamic", "--hicache-storage-backend-extra-config",
-                   json.dumps({**EXTRA, "native_echo": True}), "--page-size", "4", env=env())
+                   json.dumps({**EXTRA, "native_echo": True, "allow_unavailable_at_start": True}), "--page-size", "4",
+                   env=env())
     try:
         code, info, _ = s.get("/get_server_info")
         assert code == 200 and not leaks(json.dumps(info)), info

@@ -11,6 +11,7 @@ from uniradix.server.app import Guard
 from uniradix.server.runner import EngineRunner, Stream
 from uniradix.server.settings import ServerConfig
 from uniradix.server.textout import TextOut
+from uniradix.tree.keys import session_key
 
 
 def submit(runner, loop, ids, n, sid):
@@ -34,15 +35,15 @@ def test_a_turn_of_a_closed_session_does_not_touch_its_reopened_namesake(make_en
         while not a.req.done:
             eng.step()
             runner._emit()
-        assert "conv" in runner.sessions
+        assert runner.sessions.is_open("conv")
         assert runner.sessions.expired(now=1e12) == []  # b still runs: it keeps the session
-        assert "conv" not in eng.cache.tree.sessions    # a left no reference behind
+        assert session_key("conv") not in eng.cache.tree.sessions    # a left no reference behind
         while not b.req.done:
             eng.step()
             runner._emit()
-        assert "conv" in eng.cache.tree.sessions        # b's turn is referenced
-        assert runner.sessions.expired(now=1e12) == ["conv"]
-        assert runner.close_session("conv") and "conv" not in eng.cache.tree.sessions
+        assert session_key("conv") in eng.cache.tree.sessions        # b's turn is referenced
+        assert runner.sessions.expired(now=1e12) == [("conv", None)]
+        assert runner.close_session("conv") and session_key("conv") not in eng.cache.tree.sessions
     finally:
         loop.close()
 

@@ -39,10 +39,11 @@ def test_a_continuation_equals_the_whole_conversation(server):
     assert server.post("/close_session", {"session_id": sid})[0] == 200
     status, out, _ = server.post("/generate", {"input_ids": C, "sampling_params": SP,
                                                "session_params": {"id": sid, "rid": "t1"}})
-    assert status == 400 and "t1" in out["error"]["message"], out   # closed: its turns are gone
+    assert status == 404 and sid in out["error"]["message"], out   # closed: it and its turns are gone
 
 
 def test_the_forms_not_implemented_are_refused(server):
+    assert server.post("/open_session", {"session_id": "s"})[0] == 200
     for fields, word in (({"session_params": {"id": "s", "rid": "nope"}}, "nope"),
                          ({"session_params": {"id": "s", "replace": True}}, "replace"),
                          ({"session_params": {"id": "s"}, "session_id": "s"}, "not both"),

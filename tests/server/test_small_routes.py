@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from server_proc import ServerProc
+from server_proc import HANG_S, ServerProc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model" / "hf"))
 
@@ -166,14 +166,14 @@ def test_load_report_in_sglangs_shape(named):
     done = threading.Event()
     threading.Thread(target=lambda: (named.post("/generate", {"input_ids": list(range(1, 200)), "sampling_params": {
         "max_new_tokens": 300, "ignore_eos": True}}), done.set()), daemon=True).start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_S
     while True:
         load = named.get("/v1/loads")[1]["loads"][0]
         if load["num_running_reqs"] or time.monotonic() > deadline:
             break
         time.sleep(0.05)
     assert load["num_running_reqs"] == 1 and load["token_usage"] > 0 and load["num_used_tokens"] >= 199, load
-    done.wait(60)
+    done.wait(HANG_S)
     status, out, _ = named.get("/v1/loads?dp_rank=1")
     assert status == 400 and "dp_rank" in out["error"]["message"], out
     assert named.get("/v1/loads?include=a-section-of-a-later-sglang")[0] == 200   # the core numbers anyway

@@ -39,10 +39,10 @@ def test_sessions_expire_only_when_idle():
     a = s.open(timeout=10)
     b = s.open()
     s.begin("implicit")  # a session first seen on a request opens itself
-    assert "implicit" in s and len(s) == 3
+    assert s.is_open("implicit") and len(s) == 3
     s.begin(a)
     assert s.expired(now=1e12) == []  # a request in flight keeps it open
     s.end(a)
-    assert s.expired(now=1e12) == [a]  # b and implicit: no timeout
+    assert s.expired(now=1e12) == [(a, None)]  # b and implicit: no timeout
     assert s.close(a) and not s.close(a)
-    assert s.next_deadline() is None and b in s
+    assert s.next_deadline() is None and s.is_open(b)

@@ -5,7 +5,7 @@ import json
 import threading
 import time
 
-from server_proc import ServerProc
+from server_proc import HANG_S, ServerProc
 
 
 def test_storage_and_host_tiers_report_their_tokens(tmp_path):
@@ -115,9 +115,11 @@ def test_sigterm_keeps_time_for_the_write_down_when_requests_run_to_the_limit(tm
         t0 = time.monotonic()
         assert s.stop() == 0, "".join(s.lines[-30:])
         took = time.monotonic() - t0
-    t.join(30)
+    t.join(HANG_S)
     assert out and out[0][0] == 503, out  # it ran to the limit and was aborted
-    assert took < 4 + 5, took  # the graceful timeout, and the process's own exit
+    # the graceful timeout, and the process's own exit (generous: a loaded machine exits
+    # slowly, while a shutdown that waited for the 15000-token request would take minutes)
+    assert took < 4 + 60, took
     cut = [line for line in s.lines if "not written" in line or "abandoned" in line]
     assert not cut, cut  # the write-down had its time, and every write reached the store
     s = ServerProc(*flags)

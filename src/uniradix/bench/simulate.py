@@ -14,19 +14,39 @@ answers at once), so a replay is deterministic. The same log at the server's own
 settings reuses what the server reused, request for request, when the server's batches
 were made of the same requests (sequential clients); with concurrent clients, the
 server's batches also depend on timing, and the figures agree closely rather than
-exactly."""
+exactly.
+
+The log is read once, each line checked (log_records: a bad one is one line naming its
+line and field, exit 2, or passed over with --skip-bad-lines); what is kept of a request
+is where its line is, its times and its round, and its ids are read back when the
+replay submits it, so memory grows by a few numbers a request, never by its tokens."""
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import itertools
 import json
-import math
+import shutil
 import sys
+import tempfile
 import time
-from collections import defaultdict
+from array import array
 from dataclasses import dataclass, field
 
-from .hit_rate import TIERS, json_lines
+from .log_records import (
+    CLOSE,
+    MAX_LINE_BYTES,
+    REQUEST,
+    START,
+    TIERS,
+    BadLines,
+    BadRecord,
+    check_request,
+    first_start,
+    parse,
+    records,
+)
 
 #: the grid's axes: flag, setting, what a value means
 AXES = (("page_size", "--page-size", "tokens per page"),
@@ -64,84 +84,188 @@ class Logged:
     cached: dict = field(default_factory=dict)  # as the server measured: tier -> tokens (None: not logged)
 
 
+class Requests:
+    """The replayable requests of a log, in arrival order, held as where each one's line
+    is and its times: its token ids and other fields are read back from the file when
+    the replay submits it (checked again), so memory grows by a few numbers a request,
+    never by its tokens. `reader()` opens the file once for many reads."""
+
+    def __init__(self, path: str, offsets: array, lines: array, arrival: array, finish: array, rounds: array,
+                 vocab: int | None, spool=None) -> None:
+        self.path, self.offsets, self.lines = path, offsets, lines
+        self.arrival, self.finish, self.rounds = arrival, finish, rounds
+        self.vocab = vocab
+        self._spool = spool  # standard input, copied to a temporary file (kept while this lives)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, i: int) -> Logged:
+        with self.reader() as get:
+            return get(i)
+
+    def __iter__(self):
+        with self.reader() as get:
+            for i in range(len(self)):
+                yield get(i)
+
+    @contextlib.contextmanager
+    def reader(self, vocab: int | None = None):
+        """get(i) -> Logged, the file open meanwhile; ids checked against `vocab` (the
+        replay's model's) or the one the log was read with."""
+        vocab = self.vocab if vocab is None else vocab
+        with open(self.path, "rb") as f:
+            yield lambda i: self._read(f, i, vocab)
+
+    def _read(self, f, i: int, vocab: int | None) -> Logged:
+        if i < 0:
+            i += len(self)
+        n = self.lines[i]
+        f.seek(self.offsets[i])
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        rec = check_request(n, parse(n, raw), vocab)
+        ids, out = rec.get("input_ids"), rec.get("output_ids")
+        if not ids or not out:
+            raise BadRecord(n, None, "changed while the log was read: no longer the request it was")
+        return Logged(ids, out, self.arrival[i], self.finish[i], rec.get("session"), rec.get("salt"),
+                      rec.get("priority"), rec.get("prompt_logprobs_from"),
+                      None if self.rounds[i] < 0 else self.rounds[i],
+                      {k: rec[k] for k in ("cached_tokens", *TIERS) if rec.get(k) is not None})
+
+
+class InMemory(list):
+    """Requests given as a list of Logged (a program's own traffic), with the interface
+    the replay reads (`arrival`, `finish`, `reader()`)."""
+
+    @property
+    def arrival(self) -> array:
+        return array("d", (r.arrival for r in self))
+
+    @property
+    def finish(self) -> array:
+        return array("d", (r.finish for r in self))
+
+    @contextlib.contextmanager
+    def reader(self, vocab: int | None = None):
+        yield self.__getitem__
+
+
 @dataclass
 class Traffic:
-    requests: list      # Logged, in arrival order
-    closes: list        # (time, session id): sessions closed
+    requests: object    # Requests (or a list of Logged), in arrival order
+    closes: list        # (time, session id, salt): sessions closed (a session is its salt's)
     settings: dict      # the server's settings from its start line ({} if none)
-    skipped: int = 0    # lines that are not replayable requests (no token ids, failed, not JSON)
+    skipped: int = 0    # request lines that are not replayable (without token ids)
     not_finished: int = 0
+    settings_line: int | None = None  # the start line's number in the log
+    prompt_tokens: int = 0            # over the requests
+    total_tokens: int = 0             # prompt and output tokens over the requests
+    largest: int = 0                  # the most tokens of one request
+    served_cached: dict | None = None  # tier -> cached tokens as the server measured (None: not logged)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.requests, list) and not isinstance(self.requests, InMemory):
+            self.requests = InMemory(self.requests)
+        if isinstance(self.requests, InMemory) and self.requests:
+            rs = self.requests
+            self.prompt_tokens = sum(len(r.input_ids) for r in rs)
+            self.total_tokens = sum(len(r.input_ids) + len(r.output_ids) for r in rs)
+            self.largest = max(len(r.input_ids) + len(r.output_ids) for r in rs)
+            if all("cached_tokens" in r.cached for r in rs):
+                self.served_cached = {t: sum(r.cached.get(t) or 0 for r in rs) for t in ("cached_tokens", *TIERS)}
 
     @property
     def served(self) -> dict | None:
         """The hit rate the server measured over these requests, by tier (None if the
         log does not say)."""
-        if not self.requests or any("cached_tokens" not in r.cached for r in self.requests):
+        if not len(self.requests) or self.served_cached is None:
             return None
-        return _rates(sum(len(r.input_ids) for r in self.requests),
-                      {t: sum(r.cached.get(t) or 0 for r in self.requests) for t in ("cached_tokens", *TIERS)})
+        return _rates(self.prompt_tokens, self.served_cached)
 
 
-def read_log(path: str) -> Traffic:
+def read_log(path: str, vocab=None, bad=None) -> Traffic:
     """The replayable requests of a log (finished ones with token ids), its closed
-    sessions and the settings of its (first) server start."""
-    rows, closes, settings, skipped, not_finished = [], [], {}, 0, 0
-    for i, rec in enumerate(json_lines(path)):
-        if not isinstance(rec, dict):  # not JSON, or not a record
-            skipped += 1
-            continue
-        ev = rec.get("event")
-        if ev == "start":
-            settings = settings or dict(rec.get("settings") or {})
-            continue
-        if ev == "close_session":
-            if _num(rec.get("time")) is not None:
-                closes.append((rec["time"], rec.get("session")))
-            continue
-        if ev is not None:
-            continue
-        ids, out = rec.get("input_ids"), rec.get("output_ids")
-        if not (_ids(ids) and _ids(out)):
-            skipped += 1
-            continue
-        if rec.get("status", "finished") != "finished":
-            not_finished += 1  # failed or aborted: the server cached nothing of it
-            continue
-        rows.append((i, rec))
-    reqs = []
-    timed = all(_num(r.get("arrival")) is not None or (_num(r.get("time")) is not None
-                                                       and _num(r.get("latency")) is not None) for _, r in rows)
-    for n, (i, r) in enumerate(rows):
-        if timed:
-            finish = r["time"] if _num(r.get("time")) is not None else r["arrival"] + (r.get("latency") or 0)
-            arrival = r["arrival"] if _num(r.get("arrival")) is not None else finish - r["latency"]
-        else:  # one after another, in the file's order
-            arrival, finish = 2.0 * n, 2.0 * n + 1
-        cached = {k: r[k] for k in ("cached_tokens", *TIERS) if _num(r.get(k)) is not None}
-        reqs.append(Logged(r["input_ids"], r["output_ids"], arrival, finish, r.get("session"), r.get("salt"),
-                           r.get("priority"), r.get("prompt_logprobs_from"),
-                           r.get("round") if type(r.get("round")) is int else None, cached))
-    reqs.sort(key=lambda r: r.arrival)
-    turns: dict = defaultdict(int)
-    for r in reqs:  # a round is the log's own, else the turn within the session
-        if r.round is None and r.session is not None:
-            turns[_key(r.session)] += 1
-            r.round = turns[_key(r.session)]
-    if not timed:
+    sessions and the settings of its (first) server start, every line checked
+    (log_records; `bad`: told of each bad line, else BadRecord is raised). `vocab`: the
+    vocabulary ids are checked against, or a function of the first start line's
+    settings and number ({} and None without one) that gives it (it loads the model the
+    replay runs on). One pass,
+    keeping per request where its line is and its times; '-' reads standard input
+    into a temporary file first."""
+    spool = None
+    if path == "-":
+        spool = tempfile.NamedTemporaryFile(prefix="uniradix-simulate-", suffix=".jsonl")  # noqa: SIM115 (kept)
+        shutil.copyfileobj(sys.stdin.buffer, spool)
+        spool.flush()
+    source = spool.name if spool is not None else path
+    offsets, lines, arrival, finish, rounds, sessions = (array("q"), array("q"), array("d"), array("d"),
+                                                         array("q"), array("q"))
+    session_ids: dict = {}
+    closes, settings, settings_line = [], {}, None
+    skipped = not_finished = prompt = total = largest = 0
+    served = dict.fromkeys(("cached_tokens", *TIERS), 0)
+    served_all = timed = True
+    with open(source, "rb") as f:
+        if callable(vocab):
+            found = first_start(f)
+            vocab = vocab(*((found[1]["settings"], found[0]) if found else ({}, None)))
+            f.seek(0)
+        for n, offset, kind, rec in records(f, vocab, bad):
+            if kind == START:
+                if settings_line is None:
+                    settings, settings_line = dict(rec["settings"]), n
+                continue
+            if kind == CLOSE:
+                closes.append((rec["time"], rec["session"], rec.get("salt")))
+                continue
+            if kind != REQUEST:
+                continue
+            ids, out = rec.get("input_ids"), rec.get("output_ids")
+            if ids is None or out is None:
+                skipped += 1
+                continue
+            if rec.get("status", "finished") != "finished":
+                not_finished += 1  # failed or aborted: the server cached nothing of it
+                continue
+            offsets.append(offset)
+            lines.append(n)
+            t, lat, arr = rec.get("time"), rec.get("latency"), rec.get("arrival")
+            if timed and (arr is not None or (t is not None and lat is not None)):
+                end = t if t is not None else arr + (lat or 0)
+                arrival.append(arr if arr is not None else end - lat)
+                finish.append(end)
+            else:
+                timed = False
+            r, s = rec.get("round"), rec.get("session")
+            rounds.append(-1 if r is None else r)
+            sessions.append(-1 if s is None else session_ids.setdefault((type(s).__name__, s), len(session_ids)))
+            prompt += len(ids)
+            total += len(ids) + len(out)
+            largest = max(largest, len(ids) + len(out))
+            c = rec.get("cached_tokens")
+            if c is None:
+                served_all = False
+            else:
+                served["cached_tokens"] += c
+                for k in TIERS:
+                    served[k] += rec.get(k) or 0
+    N = len(offsets)
+    if not timed:  # one after another, in the file's order
+        arrival = array("d", (2.0 * i for i in range(N)))
+        finish = array("d", (2.0 * i + 1 for i in range(N)))
         closes = []
-    return Traffic(reqs, sorted(closes, key=lambda c: c[0]), settings, skipped, not_finished)
-
-
-def _num(v):
-    return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
-
-
-def _ids(v) -> bool:
-    return isinstance(v, list) and bool(v) and all(type(t) is int and t >= 0 for t in v)
-
-
-def _key(session):
-    return (type(session).__name__, session)
+    order = sorted(range(N), key=arrival.__getitem__)  # stable: the file's order among equal times
+    offsets, lines, arrival, finish, rounds, sessions = (
+        array(a.typecode, (a[i] for i in order)) for a in (offsets, lines, arrival, finish, rounds, sessions))
+    del order
+    turns = array("q", bytes(8 * len(session_ids)))
+    for i in range(N):  # a round is the log's own, else the turn within the session
+        if rounds[i] < 0 and sessions[i] >= 0:
+            turns[sessions[i]] += 1
+            rounds[i] = turns[sessions[i]]
+    reqs = Requests(source, offsets, lines, arrival, finish, rounds, vocab if isinstance(vocab, int) else None, spool)
+    return Traffic(reqs, sorted(closes, key=lambda c: c[0]), settings, skipped, not_finished, settings_line,
+                   prompt, total, largest, served if served_all else None)
 
 
 # ---------------------------------------------------------------------------- one replay
@@ -179,7 +303,8 @@ def engine_settings(config: dict) -> dict:
         kw.update(enable_hierarchical_cache=True, hicache_size=float(size))
     elif ratio not in (None, "off"):
         kw.update(enable_hierarchical_cache=True, hicache_ratio=float(ratio))
-    return kw
+    from ..config import EngineConfig   # the settings of a tier this configuration turns off do not apply
+    return EngineConfig.only_in_effect(kw, store=config.get("storage") == "on")
 
 
 def replay(traffic: Traffic, model, config: dict) -> Result:
@@ -194,59 +319,70 @@ def replay(traffic: Traffic, model, config: dict) -> Result:
                        **engine_settings(config))
     sessions = config.get("sessions", "on") == "on"
     res = Result(config=dict(config))
-    items = [(r.arrival, 1, n) for n, r in enumerate(traffic.requests)]
-    if sessions:
-        items += [(t, 0, s) for t, s in traffic.closes]  # a close at the same instant goes first
-    items.sort(key=lambda x: (x[0], x[1]))
-    by_finish = sorted(range(len(traffic.requests)), key=lambda n: traffic.requests[n].finish)
-    finishes = [traffic.requests[n].finish for n in by_finish]
-    done = [False] * len(traffic.requests)
-    rank = {n: i for i, n in enumerate(by_finish)}
-    state = {"settled": 0, "head": 0}
-    live: dict = {}
+    reqs = traffic.requests
+    N = len(reqs)
+    arrival = reqs.arrival
+    closes = traffic.closes if sessions else []
+    by_finish = sorted(range(N), key=reqs.finish.__getitem__)
+    finishes = array("d", (reqs.finish[i] for i in by_finish))  # ascending
+    rank = array("q", bytes(8 * N))  # request -> its place in finish order
+    for place, i in enumerate(by_finish):
+        rank[i] = place
+    del by_finish
+    done = bytearray(N)  # by place in finish order
+    state = [0, 0, 0]  # finish places settled (all done before it), next request, next close
+    live: dict = {}  # rid -> (request number, Logged)
 
     def finished(x: int) -> None:
-        done[rank[x]] = True
-        while state["settled"] < len(done) and done[state["settled"]]:
-            state["settled"] += 1
+        done[rank[x]] = 1
+        while state[0] < N and done[state[0]]:
+            state[0] += 1
 
-    def release() -> None:
-        """Submit what the log says could have arrived by now, in arrival order."""
-        while state["head"] < len(items):
-            t, kind, x = items[state["head"]]
-            if bisect.bisect_right(finishes, t) > state["settled"]:
+    def release(get) -> None:
+        """Submit what the log says could have arrived by now, in arrival order: an
+        item at time t once every request that finished before t has finished here (a
+        close at the same instant as an arrival goes first)."""
+        while True:
+            ri, ci = state[1], state[2]
+            close = ci < len(closes) and (ri >= N or closes[ci][0] <= arrival[ri])
+            if not close and ri >= N:
                 return
-            state["head"] += 1
-            if kind == 0:
-                eng.close_session(x)
+            t = closes[ci][0] if close else arrival[ri]
+            if bisect.bisect_left(finishes, t) > state[0]:
+                return
+            if close:
+                state[2] += 1
+                eng.close_session(*closes[ci][1:])
                 continue
-            r = traffic.requests[x]
+            state[1] += 1
+            r = get(ri)
             req = eng.replay(r.input_ids, r.output_ids, session_id=r.session if sessions else None, salt=r.salt,
                              priority=r.priority, prompt_logprobs_from=r.prompt_logprobs_from)
-            live[req.rid] = x
+            live[req.rid] = (ri, r)
             eng.submit(req)
             if req.done:  # refused at once (it cannot fit these pools)
                 _count(res, r, req)
-                finished(live.pop(req.rid))
+                finished(live.pop(req.rid)[0])
 
-    while True:
-        head = state["head"]
-        release()
-        if not (eng.waiting or eng.running or eng.prefetching):
-            if state["head"] == len(items):
-                break
-            if state["head"] == head:  # cannot happen: what the head waits for arrived before it
-                raise RuntimeError("simulate: the replay is stuck: a request waits for one that never ran")
-            continue  # what was refused at once let more arrive
-        if eng.storage is not None:
-            for _, fut, _ in list(eng.storage.prefetching):  # L3 answers at once
-                fut.exception()
-        for req in eng.step():
-            x = live.pop(req.rid)
-            _count(res, traffic.requests[x], req)
-            finished(x)
-        if eng.storage is not None:
-            eng.flush_writes()
+    with reqs.reader(eng.model.vocab_size) as get:
+        while True:
+            head = state[1] + state[2]
+            release(get)
+            if not (eng.waiting or eng.running or eng.prefetching):
+                if state[1] == N and state[2] == len(closes):
+                    break
+                if state[1] + state[2] == head:  # cannot happen: what the head waits for arrived before it
+                    raise RuntimeError("simulate: the replay is stuck: a request waits for one that never ran")
+                continue  # what was refused at once let more arrive
+            if eng.storage is not None:
+                for _, fut, _ in list(eng.storage.prefetching):  # L3 answers at once
+                    fut.exception()
+            for req in eng.step():
+                x, r = live.pop(req.rid)
+                _count(res, r, req)
+                finished(x)
+            if eng.storage is not None:
+                eng.flush_writes()
     res.sessions_open = len(eng.cache.tree.sessions)
     eng.close()
     res.preemptions = eng.counters["preemptions"]
@@ -323,9 +459,16 @@ def smallest(ok, lo: int, hi: int, step: int) -> int | None:
 def load_replay_model(traffic: Traffic, model_path: str | None, model_preset: str | None, dtype: str | None):
     """The model the log was served with (or the one named): its layers, for the
     replay. A checkpoint is read whole, once."""
+    return replay_model(traffic.settings, model_path, model_preset, dtype)
+
+
+def replay_model(s: dict, model_path: str | None, model_preset: str | None, dtype: str | None):
+    """As load_replay_model, from a start line's settings (checked: log_records)."""
+    from ..config import DTYPES
     from ..engine.replay import ReplayModel
     from ..model import load_model
-    s = traffic.settings
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     path = model_path if model_path is not None else (None if model_preset else s.get("model_path"))
     if path is not None and (path.endswith(".gguf") or not path.endswith(".safetensors")):
         import torch
@@ -401,56 +544,88 @@ def print_results(results: list[Result], out, by_round: bool) -> None:
 
 
 def main(a) -> int:
+    from ..config import EngineConfig
     out = sys.stdout
+    bad = BadLines("simulate", a.log, a.skip_bad_lines)
+    models: list = []
+
+    def vocab(settings: dict, line: int | None) -> int:  # the replay's model: ids are checked against it
+        try:
+            models.append(replay_model(settings, a.model_path, a.model_preset, a.dtype))
+        except (ValueError, OSError) as e:
+            if line is None or a.model_path is not None or a.model_preset is not None:
+                raise  # a flag's
+            raise BadRecord(line, "settings", f"no model to replay: {getattr(e, 'strerror', None) or e}") from None
+        return models[-1].vocab_size
     try:
-        traffic = read_log(a.log)
-    except OSError as e:
-        print(f"uniradix simulate: {a.log}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    if not traffic.requests:
-        print(f"uniradix simulate: {a.log}: no request with token ids to replay ({traffic.skipped} line(s) "
-              f"skipped); log them with `uniradix serve --request-log PATH --log-token-ids`", file=sys.stderr)
-        return 1
-    try:
-        base = server_config(traffic)
         axes = {axis: _values(axis, getattr(a, axis)) for axis, _, _ in AXES if getattr(a, axis) is not None}
         if a.target is not None and not 0 < a.target <= 1:
             raise ValueError(f"--target must be a hit rate in (0, 1], got {a.target}")
-        model = load_replay_model(traffic, a.model_path, a.model_preset, a.dtype)
+        traffic = read_log(a.log, vocab, bad)
+    except BadRecord as e:
+        print(bad.message(e), file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"uniradix simulate: {a.log}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except (ValueError, ImportError) as e:
+        print(f"uniradix simulate: {e}", file=sys.stderr)
+        return 2
+    if bad.summary():
+        print(f"uniradix simulate: {a.log}: {bad.summary()}", file=sys.stderr)
+    if not traffic.requests:
+        print(f"uniradix simulate: {a.log}: no request with token ids to replay ({traffic.skipped} request "
+              f"line(s) without them); log them with `uniradix serve --request-log PATH --log-token-ids`",
+              file=sys.stderr)
+        return 1
+    model = models[-1]
+    base = server_config(traffic)
+    try:  # the server's own settings, then every configuration, checked before the first replay
+        EngineConfig.of(**engine_settings(base))
+    except (ValueError, TypeError) as e:
+        where = f" line {traffic.settings_line}" if traffic.settings_line else ""
+        print(f"uniradix simulate: {a.log}{where}: settings: {e}", file=sys.stderr)
+        return 2
+    try:
         configs = grid(base, axes)
-        for c in configs:  # every setting checked before the first replay
-            from ..config import EngineConfig
+        for c in configs:
             EngineConfig.of(**engine_settings(c))
-    except (ValueError, OSError, ImportError) as e:
+    except (ValueError, TypeError) as e:
         print(f"uniradix simulate: {e}", file=sys.stderr)
         return 2
     n = len(traffic.requests)
-    prompt = sum(len(r.input_ids) for r in traffic.requests)
-    print(f"{n:,} requests ({prompt:,} prompt tokens) from {a.log}; model {model.inner.name}, components "
-          f"{', '.join(s.name for s in model.states().specs)}", file=out)
+    print(f"{n:,} requests ({traffic.prompt_tokens:,} prompt tokens) from {a.log}; model {model.inner.name}, "
+          f"components {', '.join(s.name for s in model.states().specs)}", file=out)
     if traffic.not_finished or traffic.skipped:
-        print(f"not replayed: {traffic.not_finished} failed or aborted request(s), {traffic.skipped} line(s) "
-              f"without token ids", file=out)
+        print(f"not replayed: {traffic.not_finished} failed or aborted request(s), {traffic.skipped} request "
+              f"line(s) without token ids", file=out)
     served = traffic.served
     if served is not None:
         print(f"as served: hit rate {served['cached_tokens']:.1%} (device {served.get('cached_device', 0):.1%}, "
               f"host {served.get('cached_host', 0):.1%}, storage {served.get('cached_storage', 0):.1%})", file=out)
     print(file=out)
-    results = []
-    for c in configs:
-        results.append(replay(traffic, model, c))
-    print_results(results, out, a.by_round)
-    if a.target is not None:
-        print(file=out)
-        _targets(traffic, model, configs, a.target, out)
+    # what is alive now (the model, torch's modules) lives until the process ends: frozen,
+    # the collector stops scanning it again and again, which was a third of a replay's time
+    gc.freeze()
+    try:
+        results = [replay(traffic, model, c) for c in configs]
+        print_results(results, out, a.by_round)
+        if a.target is not None:
+            print(file=out)
+            _targets(traffic, model, configs, a.target, out)
+    except BadRecord as e:  # a line read back is not what it was (the log changed under the replay)
+        print(bad.message(e), file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as e:  # an engine these settings cannot build
+        print(f"uniradix simulate: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
 def _targets(traffic: Traffic, model, configs: list[dict], target: float, out) -> None:
     """Per configuration apart from its sizes: the smallest L1 alone that reaches the
     target, then, for each L1 of the grid that has an L2, the smallest L2 over it."""
-    total = sum(len(r.input_ids) + len(r.output_ids) for r in traffic.requests)
-    largest = max(len(r.input_ids) + len(r.output_ids) for r in traffic.requests)
+    total, largest = traffic.total_tokens, traffic.largest
     print(f"target hit rate {target:.0%}:", file=out)
     groups: dict = {}
     for c in configs:
@@ -492,3 +667,6 @@ def add_args(p) -> None:
                                                 "smallest L2 over each L1 with L2, that reach it")
     p.add_argument("--by-round", action="store_true", help="also print each configuration's hit rate by round "
                                                           "(the log's rounds, else the turn in the session)")
+    p.add_argument("--skip-bad-lines", action="store_true",
+                   help="pass over a line that is not a valid record (each said on stderr) instead of stopping "
+                        "at it with exit status 2")

@@ -223,8 +223,9 @@ class UnifiedRadixCache(Running, Finishing):
         return 0 if self.host is None else self.host.write_through(node, min_hits)
 
     # ------------------------------------------------------------------ sessions and admin
-    def close_session(self, session_id) -> bool:
-        return self.tree.close_session(session_id)
+    def close_session(self, session_id, salt=None) -> bool:
+        """Drop the references of session `session_id` opened under `salt` (its tenant)."""
+        return self.tree.close_session(session_id, salt)
 
     def flush(self, write_down: bool = True) -> bool:
         """Drop everything cached, after the storage tier below (`lower`) wrote down what
@@ -247,8 +248,7 @@ class UnifiedRadixCache(Running, Finishing):
             self.ledger.free(tree.evict_counts(want))
             if not tree.num_nodes or tree.num_nodes == n:
                 break
-        for sid in list(tree.sessions):
-            tree.close_session(sid)
+        tree.close_all_sessions()
         return True
 
     def stats(self) -> dict:

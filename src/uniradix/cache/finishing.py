@@ -30,15 +30,15 @@ class Finishing:
 
     def cache_finished(self, req: RequestState, session_id=None) -> object:
         """Insert the finished request, free what the tree did not keep, release its
-        lock; with a session id, reference what the next turn will reuse. Returns the
-        node the request ends at."""
+        lock; with a session id, reference what the next turn will reuse (the session
+        of the request's tenant, its salt). Returns the node the request ends at."""
         if session_id is not None:
             check_session_id(session_id)  # before the insert: a bad id changes nothing
         node, _ = self._insert(req, finished=True)
         self._unlock(req.receipt)
         req.receipt, req.held = None, False
         if session_id is not None and node.parent is not None:
-            self.tree.register_session(session_id, node)
+            self.tree.register_session(session_id, node, req.salt)
         if self.host is not None:
             if req.staged is not None:
                 self.host.adopt(req.staged, node)  # writes through the rest too

@@ -44,12 +44,23 @@ class Engine(Admission, Batching):
     StorageBackend shared with other engines (L3), closed by its owner. `submit` queues
     requests, `step` runs one scheduling step, `run` drives a list of requests to the end.
     `accounting_only`: pools that count and hold nothing, for a model that computes
-    nothing (engine.replay)."""
+    nothing (engine.replay).
+
+    Every setting given takes effect or is refused (ValueError): a tier's settings
+    without that tier (EngineConfig.check_in_effect), and `hicache_storage_backend`
+    builds its backend here as `uniradix serve` does (hicache.backends.open_backend: an
+    unreachable store is StorageUnavailable unless allow_unavailable_at_start), closed
+    by `close`; given `storage` too, it is refused (which store would it be?)."""
 
     def __init__(self, model: "PagedModel | HybridConfig | str" = "tiny-hybrid",
                  config: EngineConfig | None = None, *, weights=None, storage=None, accounting_only: bool = False,
                  **settings) -> None:
         self.config = config = (config or EngineConfig()).with_(**settings) if settings else (config or EngineConfig())
+        backend_name = config.storage.hicache_storage_backend
+        if storage is not None and backend_name:
+            raise ValueError(f"a storage backend ({type(storage).__name__}) and hicache_storage_backend="
+                             f"{backend_name!r} are both given: give one")
+        config.check_in_effect(store=storage is not None or bool(backend_name))
         sched = config.scheduler
         self.device = _check_device(sched.device)
         self.model = load_model(model, weights).to(self.device)
@@ -75,14 +86,25 @@ class Engine(Admission, Batching):
         self.holding = 0  # waiting requests held at the last admission for a prefix a running one computes
         self._queued = itertools.count(1)  # the order requests were queued in (in-batch sharing is FIFO)
         self.storage = None
+        self._own_backend = None  # the backend built here from the settings: closed by close()
+        if backend_name:  # last: a mistake above builds nothing to close
+            from ..hicache.backends import open_backend
+            storage = self._own_backend = open_backend(config.storage)
         if storage is not None:
-            from ..hicache.l3 import StorageTier
-            h = config.host
-            named = config.storage.model_fingerprint is not None  # the fleet names the model, not its weights
-            weights_fp = "" if named else self._weights_fingerprint()
-            self.storage = StorageTier(self.cache, storage, config.storage, self.model.config, weights=weights_fp,
-                                       write_policy=h.hicache_write_policy if self.hierarchical else "write_through",
-                                       write_min_hits=h.write_min_hits, witness=self._witness(whole=named))
+            try:
+                self._storage_tier(storage)
+            except BaseException:
+                self.close_backend()
+                raise
+
+    def _storage_tier(self, storage) -> None:
+        from ..hicache.l3 import StorageTier
+        config, h = self.config, self.config.host
+        named = config.storage.model_fingerprint is not None  # the fleet names the model, not its weights
+        weights_fp = "" if named else self._weights_fingerprint()
+        self.storage = StorageTier(self.cache, storage, config.storage, self.model.config, weights=weights_fp,
+                                   write_policy=h.hicache_write_policy if self.hierarchical else "write_through",
+                                   write_min_hits=h.write_min_hits, witness=self._witness(whole=named))
 
     def _weights_fingerprint(self) -> str:
         """What the L3 namespace knows the weights by: a file's content digest (cached on
@@ -303,7 +325,8 @@ class Engine(Admission, Batching):
         flush does, whatever the write policy: write_back data held only by the device
         and host tiers would be lost), then stop the I/O threads (the write-down and the
         pending writes get at most `timeout` seconds together, default the storage tier's
-        io_timeout) and wait for host loads (the store itself belongs to the caller)."""
+        io_timeout) and wait for host loads; the backend too, in what is left of that
+        time, when this engine built it (one given to it belongs to the caller)."""
         self.cache.sync_loads()
         if self.storage is not None:
             t = self.storage.io_timeout if timeout is None else max(timeout, 0.0)
@@ -312,9 +335,27 @@ class Engine(Admission, Batching):
                 self.storage.write_down(t)
             self.storage.close(max(0.0, end - time.monotonic()))
             self.cache.lower = None  # a later flush has no store to write to
+            self.close_backend(max(0.0, end - time.monotonic()))
 
-    def close_session(self, session_id) -> bool:
-        return self.cache.close_session(session_id)
+    def close_backend(self, timeout: float | None = None) -> bool:
+        """Close the L3 backend this engine built from its settings (one given to it is
+        its owner's), once, waiting at most `timeout` seconds (default io_timeout): a
+        close that hangs in a store that stopped answering is left behind, logged.
+        False when that happened."""
+        backend, self._own_backend = self._own_backend, None
+        if backend is None:
+            return True
+        from ..hicache.io_threads import call_within
+        t = self.config.storage.io_timeout if timeout is None else timeout
+        if call_within(backend.close, t):
+            return True
+        log.warning("closing the L3 backend did not end within the graceful timeout: left behind")
+        return False
+
+    def close_session(self, session_id, salt=None) -> bool:
+        """Drop the cache references of session `session_id` of the tenant `salt` (the
+        salt its requests were given: another salt's session of that id is another)."""
+        return self.cache.close_session(session_id, salt)
 
     def stats(self) -> dict:
         """Engine counters and the cache's own statistics."""

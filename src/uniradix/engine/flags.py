@@ -22,14 +22,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def threads_from_args(a: argparse.Namespace) -> str:
     """Apply --num-threads (else $OMP_NUM_THREADS, else one: uniradix.threads) before
-    anything computes; the start-up line that says it. ValueError on a bad value."""
+    anything computes; the start-up line that says it, and which kernels the forward
+    runs on (the row-invariant ones, built here on first use, or torch's, and why).
+    ValueError on a bad value."""
     from ..config import ComputeSettings, from_args
+    from ..model import kernels
     from ..threads import start_threads
-    return start_threads(from_args(ComputeSettings, a).num_threads)
+    return f"{start_threads(from_args(ComputeSettings, a).num_threads)}, {kernels.describe()}"
 
 
 def engine_from_args(a: argparse.Namespace):
-    """An Engine from the flags (and its L3 backend, when one is asked for)."""
+    """An Engine from the flags (it opens the L3 backend they name: a store that cannot
+    be reached is StorageUnavailable, unless allow_unavailable_at_start)."""
     from ..config import engine_config_from_args
     from ..model import preset
     from .engine import Engine
@@ -45,8 +49,4 @@ def engine_from_args(a: argparse.Namespace):
             raise ValueError(f"--quantization {a.quantization} applies to a checkpoint (--model-path DIR or "
                              "model.gguf), not to the embedded model")
         model, weights = preset(a.model_preset), path
-    storage = None
-    if config.storage.hicache_storage_backend:
-        from ..hicache.backends import make_backend
-        storage = make_backend(config.storage.hicache_storage_backend, config.storage.backend_settings())
-    return Engine(model, config, weights=weights, storage=storage)
+    return Engine(model, config, weights=weights)  # it opens the L3 backend the settings name

@@ -13,9 +13,16 @@ whichever is longer), as this server watched it, is gone (no clocks compared acr
 machines); its slot may be taken over. A graceful stop deletes its own record.
 
 Records are checked objects (objects.py) under the namespace's seed, keyed by the
-secret when there is one: a writer without the secret cannot add instances. All calls
-run on this module's own daemon thread, never on the scheduler's, and a store that
-fails costs only the view of the fleet (counted, retried at the next beat)."""
+secret when there is one: a writer without the secret cannot add instances. A record
+read back is a stranger's all the same (any writer of the store, any build): every
+field is checked (`check_record`: types, finite numbers, bounded texts and intervals)
+and the fields it does not declare are dropped, so nothing a record says reaches a
+response unchecked. A slot holding anything else (a record that fails its checks,
+damaged bytes, a newer build's format) is no instance: the invalid ones are counted,
+and the slot is taken over once its bytes have stayed as they are for `stale_s`, as a
+silent record's is. All calls run on this module's own daemon thread, never on the
+scheduler's, and a store that fails costs only the view of the fleet (counted, retried
+at the next beat)."""
 from __future__ import annotations
 
 import hashlib
@@ -26,9 +33,10 @@ import socket
 import threading
 import time
 
+from ..config import ANNOUNCE_INTERVAL_MAX, finite_number
 from .keys import StorageNamespace
 from .log_limit import LogLimiter
-from .objects import CorruptObject, object_nbytes_at_most, pack_object, unpack_object
+from .objects import NEWER, CorruptObject, object_nbytes_at_most, pack_object, unpack_object
 from .storage import StorageBackend, check_key
 
 log = logging.getLogger("uniradix.hicache")
@@ -42,6 +50,65 @@ RECORD_MAX = 2048
 #: seconds after which a server that has seen no other instance says so, where the
 #: backend suspects why (a file store on a node-local filesystem)
 ALONE_S = 60.0
+#: characters a text field of a record may have
+TEXT_MAX = 512
+
+
+def _text(most: int):
+    return lambda v: isinstance(v, str) and 0 < len(v) <= most and v.isprintable()
+
+
+def _int_in(lo: int, hi: int):
+    return lambda v: type(v) is int and lo <= v <= hi   # not a bool, not a float
+
+
+def _number_in(lo: float, hi: float):
+    return lambda v: finite_number(v) and lo <= v <= hi
+
+
+#: every field a record may have, and its check (`instance` and `beat` required): an
+#: interval above what any server may be configured with, a beat count or a start time
+#: no clock reaches, a text too long to be a host name or a URL, is an invalid record
+RECORD_FIELDS = {
+    "instance": lambda v: isinstance(v, str) and len(v) == 32 and all(c in "0123456789abcdef" for c in v),
+    "beat": _int_in(0, 2 ** 53),
+    "beat_s": lambda v: finite_number(v) and 0 < v <= ANNOUNCE_INTERVAL_MAX,
+    "host": _text(255),
+    "pid": _int_in(0, 2 ** 32),
+    "started": _number_in(0, 2 ** 33),
+    "model": _text(TEXT_MAX),
+    "url": _text(TEXT_MAX),
+}
+REQUIRED = ("instance", "beat")
+
+
+def check_record(rec) -> dict | None:
+    """`rec` (parsed from a slot) as a record this server may use and show: its declared
+    fields, each checked (undeclared ones, a newer build's say, are dropped); None if it
+    is not a JSON object, lacks a required field or has one that fails its check."""
+    if not isinstance(rec, dict) or any(k not in rec for k in REQUIRED):
+        return None
+    out = {}
+    for name, ok in RECORD_FIELDS.items():
+        if name in rec:
+            if not ok(rec[name]):
+                return None
+            out[name] = rec[name]
+    return out
+
+
+class Unusable:
+    """A slot that holds something other than a valid record: `digest` of its bytes
+    (the slot is taken over once they stay the same for stale_s), `newer` when it is a
+    newer build's (not counted invalid: that build may read it)."""
+
+    def __init__(self, data: bytes, newer: bool = False) -> None:
+        self.digest = hashlib.sha256(data).digest()
+        self.newer = newer
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 def fleet_namespace(ns: StorageNamespace) -> StorageNamespace:
@@ -87,7 +154,9 @@ class Instances:
         self.slot: int | None = None
         self.beats = 0
         self.errors = 0
+        self.invalid = 0     # records read that failed their checks (each counted once, as first seen)
         self._watched: dict[str, list] = {}   # id -> [record, beat count, when it last moved, moved ever]
+        self._unusable: dict[int, tuple] = {}  # slot -> (its bytes' digest, since when they are as they are)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -116,7 +185,7 @@ class Instances:
 
     def stats(self) -> dict:
         return {"this_instance": self.id, "slot": self.slot, "beats": self.beats, "errors": self.errors,
-                "others": self.others()}
+                "invalid_records": self.invalid, "others": self.others()}
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop announcing and delete this server's record (best effort, within `timeout`:
@@ -157,8 +226,10 @@ class Instances:
         slot first if it has none, or lost it)."""
         if self.witness is not None and not self.witness.allows():
             return   # another model's namespace: not ours to announce in
-        records = self._read_all()
+        slots = self._read_all()
         now = time.monotonic()
+        self._note_unusable(slots, now)
+        records = [rec if isinstance(rec, dict) else None for rec in slots]
         with self._lock:
             for rec in records:
                 if rec is None or rec.get("instance") == self.id:
@@ -174,7 +245,7 @@ class Instances:
                 del self._watched[iid]   # its record was deleted (a graceful stop) or replaced: gone
         mine = self.slot is not None and (records[self.slot] or {}).get("instance") == self.id
         if not mine:
-            self.slot = self._take(records, now)
+            self.slot = self._take(slots, now)
             if self.slot is None:
                 self._warn.failure("no free slot", "all %d announcement slots of this L3 namespace are "
                                    "taken by live instances: this one is not announced", len(self.keys))
@@ -182,11 +253,29 @@ class Instances:
         self.beats += 1
         self.backend.batch_set([self.keys[self.slot]], [self._pack(self.slot)])
 
-    def _take(self, records: list, now: float) -> int | None:
-        """A slot for this server: a free one, else one whose record is stale."""
+    def _note_unusable(self, slots: list, now: float) -> None:
+        """Remember since when each slot holds the unusable bytes it holds; count each
+        invalid record once, when first seen."""
+        for i, rec in enumerate(slots):
+            if not isinstance(rec, Unusable):
+                self._unusable.pop(i, None)
+                continue
+            seen = self._unusable.get(i)
+            if seen is None or seen[0] != rec.digest:
+                self._unusable[i] = (rec.digest, now)
+                self.invalid += not rec.newer
+
+    def _take(self, slots: list, now: float) -> int | None:
+        """A slot for this server: a free one, else one whose record is stale, or whose
+        unusable bytes have stayed as they are for stale_s."""
         with self._lock:
             live = {i for i, (rec, _, moved, _) in self._watched.items() if now - moved < self._stale_after(rec)}
-        for i, rec in enumerate(records):
+        for i, rec in enumerate(slots):
+            if isinstance(rec, Unusable):
+                if now - self._unusable[i][1] < self.stale_s:
+                    continue   # not still long enough to call it gone
+                self.backend.delete(self.keys[i])
+                rec = None
             if rec is not None and rec.get("instance") == self.id:
                 return i   # its own record (a take whose read-back failed): still its slot
             if rec is not None and rec.get("instance") in live:
@@ -212,22 +301,32 @@ class Instances:
     def _pack(self, i: int) -> bytes:
         with self._lock:
             rec = dict(self.record, beat=self.beats, beat_s=self.beat_s)
+        bad = [k for k, ok in RECORD_FIELDS.items() if k in rec and not ok(rec[k])]
+        if bad:   # the others would take it for a hostile record
+            raise ValueError(f"this instance's record fails its own checks: {', '.join(bad)}")
         data = json.dumps(rec, sort_keys=True).encode()
         if len(data) > RECORD_MAX:
             raise ValueError(f"an instance record is {len(data)} bytes, at most {RECORD_MAX}")
         return pack_object(self.keys[i], data, self.seed, self.secret)
 
     def _read_all(self) -> list:
+        """Each slot: its checked record, None (empty) or Unusable."""
         return [self._decode(d, i) for i, d in enumerate(self.backend.batch_get(self.keys))]
 
     def _read(self, i: int) -> dict:
-        return self._decode(self.backend.batch_get([self.keys[i]])[0], i) or {}
+        rec = self._decode(self.backend.batch_get([self.keys[i]])[0], i)
+        return rec if isinstance(rec, dict) else {}
 
-    def _decode(self, data, i: int) -> dict | None:
+    def _decode(self, data, i: int) -> "dict | Unusable | None":
         if data is None:
             return None
+        if len(data) > object_nbytes_at_most(RECORD_MAX):   # no record of ours is this large
+            return Unusable(bytes(data))
         try:
-            rec = json.loads(unpack_object(data, self.keys[i], self.seed, self.secret))
-        except (CorruptObject, ValueError):
-            return None   # unreadable (another secret, damaged): an empty slot to this server
-        return rec if isinstance(rec, dict) and isinstance(rec.get("instance"), str) else None
+            rec = check_record(json.loads(unpack_object(data, self.keys[i], self.seed, self.secret),
+                                          parse_constant=_no_constant))
+        except CorruptObject as e:   # another secret, damaged, a newer build's
+            return Unusable(data, newer=e.kind == NEWER)
+        except (ValueError, RecursionError):   # not JSON (NaN and Infinity are not), or nested past parsing
+            return Unusable(data)
+        return Unusable(data) if rec is None else rec

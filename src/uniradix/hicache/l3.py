@@ -411,7 +411,7 @@ class StorageTier:
         self.store.close()
 
     #: what stats() reports, for an engine without a storage tier: all zero
-    IDLE = dict(storage_instances_seen=0, storage_errors=0,
+    IDLE = dict(storage_instances_seen=0, storage_instance_records_invalid=0, storage_errors=0,
                 storage_prefetches=0, storage_prefetch_abandoned=0,
                 storage_writes_dropped=0, storage_loads=0, storage_failed_loads=0, storage_saved_objects=0,
                 storage_pending_writes=0, storage_read_bytes=0, storage_written_bytes=0, storage_corrupt_objects=0,
@@ -437,6 +437,7 @@ class StorageTier:
         c["storage_refused"] = int(self.refused)
         fleet = self.fleet()
         c["storage_instances_seen"] = len(fleet["others"])
+        c["storage_instance_records_invalid"] = fleet.get("invalid_records", 0)
         if w is not None:
             storage["witness"] = dict(state=w.state, stored_as=w.key, mine=w.mine, theirs=w.theirs)  # "key" would read as a secret
         storage["instances"] = fleet

@@ -4,7 +4,8 @@ namespace, key, checksum) is added and checked above them (`objects.py`), so a b
 never has to trust what it reads.
 
 Errors: a backend that cannot reach its store raises `StorageUnavailable` from any
-call; a set that fails for one key (disk full, say) reports False for it and goes on.
+call (building one sends nothing: a start asks `probe()`, backends.open_backend); a
+set that fails for one key (disk full, say) reports False for it and goes on.
 Every failure is counted in `stats()` (set_failures, errors); the warnings about them
 are rate-limited (`log_limit.LogLimiter`), so the counters, not the log, say how many.
 
@@ -27,6 +28,8 @@ from abc import ABC, abstractmethod
 
 # \Z, not $: "$" also matches before a trailing newline, and "<hash>\n" is no key.
 KEY_RE = re.compile(r"^[0-9a-f]{64}(\.[A-Za-z0-9_-]{1,32})?\Z")
+#: a key that no page hash is (chained page keys are digests): what `probe` asks for
+PROBE_KEY = "0" * 64 + ".probe"
 
 
 class StorageUnavailable(RuntimeError):
@@ -108,6 +111,13 @@ class StorageBackend(ABC):
     @abstractmethod
     def clear(self) -> None:
         """Remove every key this backend stored (its namespace of the store)."""
+
+    def probe(self) -> None:
+        """Reach the store once (StorageUnavailable when it cannot be reached), as a
+        start-up asks before it serves (backends.open_backend). This default asks
+        whether a key nobody writes is present: any call reaches the store; a backend
+        may override it with a cheaper one (redis: PING)."""
+        self.batch_exists([PROBE_KEY])
 
     def stats(self) -> dict:
         """Counters: at least gets, hits, sets, set_failures (sets not stored, for any

@@ -25,6 +25,7 @@ from . import routes_admin, routes_native, routes_observe, routes_openai, routes
 from .connections import CLOSED_BY_SERVER
 from .jobs import Jobs
 from .metrics import ServerMetrics
+from .offload import off_loop
 from .protocol import BadRequest, parse_json, want
 from .runner import EngineRunner
 from .settings import ServerConfig
@@ -51,7 +52,7 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
     app.state.served_names = tuple(config.served_model_name or (model_name,))
     app.state.port = config.port  # serve() sets the bound one
     app.state.started = int(time.time())
-    jobs = Jobs(runner, config.max_waiting_requests)
+    jobs = Jobs(runner, config.max_queued_requests)
 
     app.add_middleware(Guard, config=config)
 
@@ -138,7 +139,7 @@ def body_reader(config: ServerConfig, metrics: ServerMetrics):
         raw = b"".join(parts)
         if empty_ok and not raw.strip():
             return {}
-        return await asyncio.to_thread(parse_json, raw)
+        return await off_loop(parse_json, raw)
     return read_body
 
 
@@ -167,7 +168,7 @@ class Guard:
             if not hmac.compare_digest(key.encode("latin-1"), cfg.api_key.encode("utf-8")):
                 return error(401, "a valid API key is required: 'Authorization: Bearer KEY'")
         size = headers.get("content-length", "")
-        if size.isdigit() and int(size) > cfg.max_request_bytes:
+        if size.isascii() and size.isdigit() and int(size) > cfg.max_request_bytes:
             return error(413, f"the request body is {size} bytes; the limit is {cfg.max_request_bytes} "
                               f"(--max-request-bytes)")
         return None

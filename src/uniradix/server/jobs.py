@@ -1,6 +1,6 @@
 """The HTTP side of a request's life, shared by both APIs: prepare on the handler's
 thread (checks and tokenizing, so bad input is a 4xx before anything is queued), admit
-against the queue limit, hand to the scheduler, then wait for the end (or stream), and
+against the queue's bound (a refused request keeps its place in line), hand to the scheduler, then wait for the end (or stream), and
 abort whatever is left when the client goes away: its doing, counted
 (uniradix_client_disconnects) and logged in one info line, as a client that leaves
 mid-body is (app.py), unless the server closed the connection itself (connections.py
@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import uuid
+from array import array
 
 from .connections import CLOSED_BY_SERVER
+from .offload import off_loop
 from .protocol import BadRequest, Job
 from .runner import EngineRunner, Stream
 from .textout import TextOut
@@ -21,13 +24,13 @@ log = logging.getLogger("uniradix.server")
 
 
 class Jobs:
-    """What the routes share: the engine's runner, the queue limit, the tokenizer."""
+    """What the routes share: the engine's runner, the queue's bound, the tokenizer."""
 
-    def __init__(self, runner: EngineRunner, max_waiting: int) -> None:
+    def __init__(self, runner: EngineRunner, max_queued: int) -> None:
         self.runner = runner
         self.engine = runner.engine
         self.tokenizer = runner.engine.tokenizer
-        self.max_waiting = max_waiting
+        self.max_queued = max_queued
 
     def eos(self) -> tuple[int, ...]:
         return tuple(getattr(self.engine.model, "eos_token_ids", ()) or ())
@@ -35,22 +38,28 @@ class Jobs:
     async def start(self, jobs: list[Job], names: dict | None = None) -> list[Stream]:
         """Check every job (off the event loop: tokenizing a long prompt takes a while),
         then queue all of them, or none: a 4xx / 503 raised. `names`: the API's names
-        for the engine's fields, so that a message names what the client sent."""
-        await asyncio.to_thread(self._prepare, jobs, names or {})
-        most = self.max_waiting + self.engine.max_running
+        for the engine's fields, so that a message names what the client sent. A full
+        queue refuses at once; the refused request keeps its place in line for its
+        retries (waitlist.py)."""
+        key = await off_loop(self._prepare, jobs, names or {})
+        most = self.max_queued + self.engine.max_running
         if len(jobs) > most:  # it would be refused however idle the server is
             raise BadRequest(f"a batch of {len(jobs)} prompts is more than this server queues at once ({most}: "
-                             f"--max-waiting-requests + --max-running-requests)")
-        if not self.runner.admit(len(jobs), self.max_waiting):
-            raise BadRequest(f"the waiting queue is full ({self.max_waiting} requests beyond the running batch); "
-                             f"retry shortly", 503)
+                             f"--max-queued-requests + --max-running-requests)")
+        if not self.runner.admit(len(jobs), self.max_queued, key):
+            if self.runner.metrics is not None:
+                self.runner.metrics.requests_refused.labels("queue_full").inc()
+            raise BadRequest(f"the queue is full ({self.max_queued} requests waiting beyond the running batch: "
+                             f"--max-queued-requests); retry after 1 s: the same request sent again keeps its "
+                             f"place in line", 503)
         loop = asyncio.get_running_loop()
         streams = [Stream(job.req, loop, job.rid, job.session is not None) for job in jobs]
         for s in streams:
             self.runner.submit(s)
         return streams
 
-    def _prepare(self, jobs: list[Job], names: dict) -> None:
+    def _prepare(self, jobs: list[Job], names: dict) -> bytes:
+        """Check and tokenize every job; what identifies the request (`retry_key`)."""
         for i, job in enumerate(jobs):
             try:
                 why = self.engine.prepare(job.req)
@@ -61,6 +70,7 @@ class Jobs:
                 for engine_name, api_name in names.items():
                     why = why.replace(engine_name, api_name)
                 raise BadRequest(why)
+        return retry_key(jobs)
 
     async def finish(self, jobs: list[Job], streams: list[Stream], request=None) -> list[TextOut]:
         """Wait until every stream ends; if the client of `request` (an HTTP request)
@@ -130,13 +140,28 @@ class Jobs:
 
 def check_outcome(jobs: list[Job]) -> None:
     """A request the engine failed (it could not fit after all, or a fault) or aborted
-    (shutdown): a 4xx/5xx for a non-streaming response."""
+    (shutdown, or its --waiting-timeout): a 4xx/5xx for a non-streaming response."""
     for job in jobs:
         req = job.req
         if req.status == "error":
             raise BadRequest(req.error or "the request failed", 400 if "never fit" in (req.error or "") else 500)
-        if req.status == "aborted":  # the server is stopping: another replica, or later
+        if req.status == "aborted":  # retry later, or on another replica
             raise BadRequest(f"the request was aborted: {req.error}", 503)
+
+
+def retry_key(jobs: list[Job]) -> bytes:
+    """What a request is known by in the line of refused requests (waitlist.py): what it
+    asks, prompt by prompt (the prepared ids, tenant, session, sampling and what comes
+    back), so that the same request sent again is its own retry; not the id the server
+    gives it. Two clients sending the very same request share one place."""
+    h = hashlib.blake2b(digest_size=16)
+    for job in jobs:
+        r = job.req
+        h.update(array("Q", r.input_ids or ()).tobytes())
+        h.update(repr((r.salt, r.session_id, r.sampling, r.priority, r.logprobs, r.prompt_logprobs_from,
+                       r.record_logits, job.stop, job.skip_special_tokens, job.no_stop_trim, job.logprobs,
+                       job.echo, job.session, job.text_in_logprobs)).encode())
+    return h.digest()
 
 
 def new_id(prefix: str = "") -> str:

@@ -26,7 +26,7 @@ ENGINE_COUNTERS = {
     "decode_tokens": ("decode_tokens", "tokens computed while decoding"),
     "finished": ("requests_finished", "requests finished"),
     "errors": ("requests_failed", "requests that ended in an error"),
-    "aborted": ("requests_aborted", "requests aborted (the client went away, or shutdown)"),
+    "aborted": ("requests_aborted", "requests aborted (the client went away, --waiting-timeout, or shutdown)"),
     "preemptions": ("preemptions", "requests preempted to free pages"),
     "checkpoints_skipped": ("checkpoints_skipped", "recurrent checkpoints skipped for want of a slot"),
 }
@@ -49,6 +49,9 @@ STORAGE_COUNTERS = {
                                "by more than the write queue holds)"),
     "storage_cross_instance_tokens": ("cached_tokens_cross_instance", "prompt tokens reused from L3 objects "
                                       "another instance wrote (a part of cached_tokens{tier=\"storage\"})"),
+    "storage_instance_records_invalid": ("storage_instance_records_invalid", "announcement records in this "
+                                         "server's L3 namespace that failed their checks (no instance: their "
+                                         "slot is taken over once they stay still), each counted when first seen"),
 }
 
 
@@ -83,6 +86,18 @@ class ServerMetrics:
             "uniradix_client_disconnects", "requests whose client left before their whole answer went out "
             "(mid-body, while waiting for a whole response, mid-stream); not those the server cut itself",
             registry=r)
+        self.request_log_lines_dropped = Counter(
+            "uniradix_request_log_lines_dropped", "--request-log lines not written: its queue was full (the file "
+            "took lines slower than they came) or the file refused them", registry=r)
+        self.requests_refused = Counter(
+            "uniradix_requests_refused", "requests answered 503 for overload, by why: queue_full (refused at once "
+            "at --max-queued-requests; a retry keeps its place in line), waiting_timeout (queued past "
+            "--waiting-timeout without starting)", ["reason"], registry=r)
+        for reason in ("queue_full", "waiting_timeout"):
+            self.requests_refused.labels(reason)
+        self.waitlisted_requests = Gauge(
+            "uniradix_waitlisted_requests", "requests refused at a full queue whose place in line is kept for "
+            "their retries (waitlist.py)", registry=r)
         self._snapshot: dict | None = None
         r.register(self)
 

@@ -153,6 +153,21 @@ def _salt(extra_key, cache_salt):
     return None if extra_key is None and cache_salt is None else json.dumps([extra_key, cache_salt])
 
 
+def session_route(body, need_id: bool) -> tuple:
+    """(session id or None, salt) of an `/open_session` or `/close_session` body. A
+    session belongs to a tenant, so these routes take the same `extra_key` and
+    `cache_salt` fields as /generate (the OpenAI routes' `cache_salt` is the second)
+    and act on that tenant's session of the id only."""
+    want(isinstance(body, dict), "the request body", "a JSON object", body)
+    sid = body.get("session_id")
+    want((sid is None and not need_id) or (isinstance(sid, str) and sid) or _int(sid),
+         "session_id", "a non-empty string or an int", sid)
+    extra_key, cache_salt = body.get("extra_key"), body.get("cache_salt")
+    want(extra_key is None or isinstance(extra_key, str), "extra_key", "a string", extra_key)
+    want(cache_salt is None or isinstance(cache_salt, str), "cache_salt", "a string", cache_salt)
+    return sid, _salt(extra_key, cache_salt)
+
+
 def parse_generate(body, eos: tuple[int, ...], max_batch: int) -> tuple[list[Job], bool, bool]:
     """(jobs, batched, stream) for a `/generate` body."""
     want(isinstance(body, dict), "the request body", "a JSON object", type(body).__name__)

@@ -14,7 +14,8 @@ from ..cache.audit import AuditError
 from ..config import finite_number
 from ..engine import Request, SamplingParams
 from ..redact import redact_value
-from .protocol import BadRequest, Job, want
+from .protocol import BadRequest, Job, session_route, want
+from .query import query_bool
 
 log = logging.getLogger("uniradix.server")
 
@@ -45,37 +46,37 @@ def add_routes(app, jobs, read_body, engine_settings: dict, version: str) -> Non
 
     @app.post("/open_session")
     async def open_session(request: HTTPRequest):
+        """Open a session of the tenant the body's `cache_salt` / `extra_key` name (as on
+        /generate). An id open under another tenant is this tenant's own new session:
+        nothing of the other is seen or touched, so an id neither leaks nor is taken."""
         body = await read_body(request, empty_ok=True)
-        want(isinstance(body, dict), "the request body", "a JSON object", body)
+        sid, salt = session_route(body, need_id=False)
         timeout = body.get("timeout")
         want(timeout is None or (finite_number(timeout) and timeout > 0), "timeout", "a finite number > 0", timeout)
-        sid = body.get("session_id")
-        want(sid is None or (isinstance(sid, str) and sid) or (isinstance(sid, int) and not isinstance(sid, bool)),
-             "session_id", "a non-empty string or an int", sid)
-        return await runner.run(lambda: runner.sessions.open(sid, timeout))
+        return await runner.run(lambda: runner.sessions.open(sid, timeout, salt))
 
     @app.post("/close_session")
     async def close_session(request: HTTPRequest):
-        body = await read_body(request)
-        want(isinstance(body, dict), "the request body", "a JSON object", body)
-        sid = body.get("session_id")
-        want((isinstance(sid, str) and sid) or (isinstance(sid, int) and not isinstance(sid, bool)), "session_id",
-             "a non-empty string or an int", sid)
-        return {"success": True, "closed": await runner.run(lambda: runner.close_session(sid))}
+        """Close the tenant's session of that id: another tenant's is `closed: false`,
+        the same answer as an id never opened."""
+        sid, salt = session_route(await read_body(request), need_id=True)
+        return {"success": True, "closed": await runner.run(lambda: runner.close_session(sid, salt))}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     @app.post("/reset_prefix_cache")  # vLLM's name for it
-    async def flush_cache(force: bool = False):
+    async def flush_cache(force: str | None = None):
         """Empty the device and host tiers. Whatever the write policy, what the store
         lacks of them is written down first (write_back's host-only data included), and
         it is in the store when this answers, within the storage tier's io_timeout (the
         store itself is shared: never flushed from here). A write-down the store did not
         take keeps the tiers (503: nothing is lost) unless `?force=true`."""
+        force_ = query_bool("force", force, False)
+
         def flush():
             if engine.running or engine.waiting or engine.prefetching:
                 return "busy"
             storage = engine.storage
-            if storage is not None and not force:
+            if storage is not None and not force_:
                 if not storage.write_down():
                     return "unwritten"
                 return "ok" if engine.cache.flush(write_down=False) else "busy"

@@ -7,11 +7,13 @@ import asyncio
 import json
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from .jobs import Jobs, cached_split, check_outcome, finish_reason, new_id
 from .logprobs import sglang_meta
+from .offload import json_off_loop, off_loop
 from .protocol import BadRequest, Job, parse_generate
+from .sessions import UnknownSession
 from .textout import TextOut
 
 
@@ -43,7 +45,7 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
     @app.post("/generate")
     async def generate(request: HTTPRequest):
         body = await read_body(request)
-        batch, batched, stream = await asyncio.to_thread(parse_generate, body, jobs.eos(), max_batch)
+        batch, batched, stream = await off_loop(parse_generate, body, jobs.eos(), max_batch)
         for j in batch:
             j.rid = j.rid or new_id()
             if j.session is not None:
@@ -53,8 +55,9 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
             return StreamingResponse(_sse(jobs, batch, streams, batched, request), media_type="text/event-stream")
         outs = await jobs.finish(batch, streams, request)
         check_outcome(batch)
-        res = [result(j, o) for j, o in zip(batch, outs)]
-        return JSONResponse(res if batched else res[0])
+        # the answer (logprobs' texts, a long output) is built and serialized off the loop
+        return await json_off_loop(lambda: [result(j, o) for j, o in zip(batch, outs)] if batched
+                                   else result(batch[0], outs[0]))
 
 
 async def _continue_session(jobs: Jobs, job: Job) -> None:
@@ -63,12 +66,15 @@ async def _continue_session(jobs: Jobs, job: Job) -> None:
     special tokens a first turn gets: they are inside the context already)."""
     sid, rid, offset, drop = job.session
     runner = jobs.runner
-    try:
-        ctx = await runner.run(lambda: runner.sessions.context(sid, rid, offset, drop))
+    req = job.req
+    try:  # the session of the request's own tenant (its salt), or none
+        ctx = await runner.run(lambda: runner.sessions.context(sid, req.salt, rid, offset, drop))
+    except UnknownSession as e:
+        raise BadRequest(str(e), 404) from None
     except ValueError as e:
         raise BadRequest(str(e)) from None
-    req = job.req
-    new = req.input_ids if req.input_ids is not None else jobs.tokenizer.encode(req.text, add_special_tokens=False)
+    new = req.input_ids if req.input_ids is not None else \
+        await off_loop(jobs.tokenizer.encode, req.text, add_special_tokens=False)
     req.input_ids, req.text = ctx + list(new), None
 
 
@@ -88,9 +94,15 @@ async def _sse(jobs: Jobs, batch: list[Job], streams, batched: bool, request):
                     if not finished:
                         getters[asyncio.ensure_future(streams[i].get())] = i
                     if finished or (len(outs[i].ids), outs[i].shown) != before:
-                        chunk = result(batch[i], outs[i], finished, i if batched else None)
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                        # SGLang's chunks are cumulative (and the first may carry a long
+                        # prompt's logprobs): built off the loop
+                        chunk = await off_loop(_sse_chunk, batch[i], outs[i], finished, i if batched else None)
+                        yield chunk
             yield "data: [DONE]\n\n"
     finally:  # what is left (the client went away) was aborted by jobs.streaming
         for t in getters:
             t.cancel()
+
+
+def _sse_chunk(job: Job, out: TextOut, finished: bool, index: int | None) -> str:
+    return f"data: {json.dumps(result(job, out, finished, index))}\n\n"

@@ -9,7 +9,9 @@ from fastapi.responses import HTMLResponse, Response
 from . import dashboard
 from .loads import scheduler_loads
 from .metrics import CONTENT_TYPE
+from .offload import json_answer
 from .protocol import want
+from .query import query_int
 
 
 def add_routes(app, jobs, metrics, version: str) -> None:
@@ -17,7 +19,9 @@ def add_routes(app, jobs, metrics, version: str) -> None:
 
     @app.get("/metrics")
     async def metrics_route():
-        # one moment of the scheduler thread: counters and gauges agree
+        # one moment of the scheduler thread: counters and gauges agree. Rendered on the
+        # loop: its size is the series', bounded whatever is asked, and render() is not
+        # re-entrant (the snapshot it collects from is handed over on the instance)
         return Response(metrics.render(await runner.run(runner.snapshot)), media_type=CONTENT_TYPE)
 
     @app.get("/dashboard")
@@ -27,21 +31,19 @@ def add_routes(app, jobs, metrics, version: str) -> None:
     @app.get("/dashboard/data")
     async def dashboard_data():
         info = {"model": model_name, "version": version, "started": app.state.started}
-        return await runner.run(lambda: dashboard.dashboard_data(metrics.values(runner.snapshot()), runner.history,
-                                                                 engine, info))
+        return await json_answer(await runner.run(
+            lambda: dashboard.dashboard_data(metrics.values(runner.snapshot()), runner.history, engine, info)))
 
     @app.get("/cache/tree")
-    async def cache_tree(depth: str = "4", children: str = "32"):
+    async def cache_tree(depth: str | None = None, children: str | None = None):
         """The tree's shape, read between two steps: `depth` levels below each root (0 to
-        64), at most `children` children a node (1 to 1024), the longest spans first."""
+        64, default 4), at most `children` children a node (1 to 1024, default 32), the
+        longest spans first."""
         from ..tree.shape import tree_shape
-        lim = {}
-        for name, v, hi in (("depth", depth, 64), ("children", children, 1024)):
-            want(v.isdigit() and int(v) <= hi and (int(v) >= 1 or name == "depth"), name,
-                 f"an int in [{0 if name == 'depth' else 1}, {hi}]", v)
-            lim[name] = int(v)
+        levels = query_int("depth", depth, 4, 0, 64)
+        most = query_int("children", children, 32, 1, 1024)
         tree = engine.cache.tree
-        return await runner.run(lambda: tree_shape(tree, lim["depth"], lim["children"]))
+        return await json_answer(await runner.run(lambda: tree_shape(tree, levels, most)))
 
     @app.get("/v1/loads")
     async def v1_loads(include: str = "all", dp_rank: str | None = None):

@@ -5,16 +5,16 @@ an extra field, as SGLang does. `model` names one of the served names (404 other
 vLLM answers); the answers give the first."""
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from ..engine import Request
 from .jobs import Jobs, check_outcome, new_id, openai_finish, usage
 from .logprobs import chat_logprobs, completion_logprobs
+from .offload import json_off_loop, off_loop
 from .protocol import Job, chat_count_field, parse_chat, parse_completion
 
 
@@ -54,16 +54,16 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
     @app.post("/v1/completions")
     async def completions(request: HTTPRequest):
         body = await read_body(request)
-        batch, stream, include_usage = await asyncio.to_thread(parse_completion, body, jobs.eos(), max_batch)
+        batch, stream, include_usage = await off_loop(parse_completion, body, jobs.eos(), max_batch)
         app.state.check_model(body)
         return await _respond(request, jobs, batch, stream, include_usage, "text_completion", name, COMPLETION_NAMES)
 
     @app.post("/v1/chat/completions")
     async def chat(request: HTTPRequest):
         body = await read_body(request)
-        messages, sampling, stream, include_usage, sid, salt, lp = parse_chat(body, jobs.eos())
+        messages, sampling, stream, include_usage, sid, salt, lp = await off_loop(parse_chat, body, jobs.eos())
         app.state.check_model(body)
-        ids = await asyncio.to_thread(chat_prompt, jobs.tokenizer, messages)
+        ids = await off_loop(chat_prompt, jobs.tokenizer, messages)
         job = Job(Request(input_ids=ids, sampling=sampling, session_id=sid, salt=salt, logprobs=lp), sampling.stop,
                   logprobs=lp is not None)
         names = {**CHAT_NAMES, "max_new_tokens": chat_count_field(body)}
@@ -82,6 +82,11 @@ async def _respond(request, jobs: Jobs, batch: list[Job], stream: bool, include_
                                  media_type="text/event-stream")
     outs = await jobs.finish(batch, streams, request)
     check_outcome(batch)
+    # the answer (an echoed prompt's text, logprobs' texts) is built and serialized off the loop
+    return await json_off_loop(_answer, jobs, batch, outs, kind, rid, created, name)
+
+
+def _answer(jobs: Jobs, batch: list[Job], outs, kind: str, rid: str, created: int, name: str) -> dict:
     choices = []
     for i, (job, out) in enumerate(zip(batch, outs)):
         c = {"index": i, "finish_reason": openai_finish(job.req), "logprobs": None}
@@ -95,8 +100,8 @@ async def _respond(request, jobs: Jobs, batch: list[Job], stream: bool, include_
                 if job.echo else ""
             c["text"] = prompt + out.shown
         choices.append(c)
-    return JSONResponse({"id": rid, "object": kind, "created": created, "model": name, "choices": choices,
-                         "usage": usage([j.req for j in batch])})
+    return {"id": rid, "object": kind, "created": created, "model": name, "choices": choices,
+            "usage": usage([j.req for j in batch])}
 
 
 async def _sse(jobs: Jobs, job: Job, s, include_usage: bool, kind: str, rid: str, created: int, name: str,

@@ -1,10 +1,12 @@
 """The small routes clients of SGLang and vLLM expect beside generation: `/tokenize` and
 `/detokenize` in both servers' shapes, and `/version` (vLLM's `/reset_prefix_cache` is
-the cache flush, routes_admin.py's)."""
+the cache flush, routes_admin.py's). Everything after reading the body (checks,
+tokenizing, the answer's JSON) runs off the event loop (offload.py)."""
 from __future__ import annotations
 
 from fastapi import Request as HTTPRequest
 
+from .offload import json_off_loop
 from .protocol import BadRequest, want
 
 
@@ -26,7 +28,9 @@ def add_routes(app, jobs, read_body, check_model, version: str) -> None:
         """vLLM's ({"prompt": str} or {"messages": [...]}) and SGLang's ({"prompt": str or
         a list of them}): {"tokens", "count", "max_model_len"} (lists of them for a list
         of prompts)."""
-        body = await read_body(request)
+        return await json_off_loop(tokenize_body, await read_body(request))
+
+    def tokenize_body(body) -> dict:
         want(isinstance(body, dict), "the request body", "a JSON object", type(body).__name__)
         check_model(body)
         special = _flag(body, "add_special_tokens", True)
@@ -50,7 +54,9 @@ def add_routes(app, jobs, read_body, check_model, version: str) -> None:
     async def detokenize(request: HTTPRequest):
         """{"tokens": [ids]} -> the text, as vLLM (`prompt`) and SGLang (`text`) name it;
         a list of such lists gives a list of texts."""
-        body = await read_body(request)
+        return await json_off_loop(detokenize_body, await read_body(request))
+
+    def detokenize_body(body) -> dict:
         want(isinstance(body, dict), "the request body", "a JSON object", type(body).__name__)
         check_model(body)
         tokens = body.get("tokens")

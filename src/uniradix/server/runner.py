@@ -14,9 +14,12 @@ from collections import deque
 from concurrent.futures import Future
 
 from ..engine import Engine, Request
+from ..tree.keys import session_key
 from .activity import ActivityLog, request_line
 from .dashboard import History
+from .request_log import salt_digest
 from .sessions import Sessions
+from .waitlist import Waitlist
 
 log = logging.getLogger("uniradix.server")
 
@@ -51,12 +54,17 @@ class Stream:
 
 
 class EngineRunner:
-    """Owns the engine on one thread. `admit` is the HTTP side's queue limit: requests
-    handed over and not yet started, beyond the batch's free places."""
+    """Owns the engine on one thread. `admit` is the HTTP side's queue bound: requests
+    handed over and not yet started, beyond the batch's free places; those it refuses
+    keep their places in line (`waitlist`). `waiting_timeout`: seconds a queued request
+    may wait to start before it is aborted (a 503)."""
 
     def __init__(self, engine: Engine, metrics=None, session_timeout: float | None = None,
-                 log_requests: bool = False, log_interval: float | None = None, request_log=None) -> None:
+                 log_requests: bool = False, log_interval: float | None = None, request_log=None,
+                 waiting_timeout: float | None = None) -> None:
         self.engine = engine
+        self.waiting_timeout = waiting_timeout
+        self.waitlist = Waitlist()  # under _wake, as the counts it is weighed against
         self.metrics = metrics
         self.log_requests = log_requests
         self.request_log = request_log  # request_log.RequestLog, or None
@@ -84,12 +92,18 @@ class EngineRunner:
         """Queue a prepared request (Engine.prepare has checked it; `admit` counted it)."""
         self._put(("submit", stream))
 
-    def admit(self, n: int, limit: int) -> bool:
+    def admit(self, n: int, limit: int, key: bytes | None = None) -> bool:
         """Whether n more requests keep the queue beyond the running batch within
-        `limit`; if so they are counted as handed over at once (submit them next)."""
+        `limit`, the places kept for requests refused before (and asking again) left to
+        them; if so they are counted as handed over at once (submit them next). Refused,
+        the request known by `key` keeps its place in line for its retry."""
         with self._wake:
             free = max(0, self.engine.max_running - self._running)
-            if self._inbox_submits + self._engine_waiting + n - free > limit:
+            room = limit + free - self._inbox_submits - self._engine_waiting
+            admitted = self.waitlist.admit(key, n, room, limit)
+            if self.metrics is not None:
+                self.metrics.waitlisted_requests.set(len(self.waitlist))
+            if not admitted:
                 return False
             self._inbox_submits += n
             return True
@@ -159,6 +173,8 @@ class EngineRunner:
                         self._handle(kind, arg)
                 if self._stopping and (not self._busy() or time.monotonic() >= drained):
                     break
+                if self.waiting_timeout is not None:
+                    self._expire_waiting()
                 if self._busy():
                     eng.step()
                     self._emit()
@@ -185,6 +201,22 @@ class EngineRunner:
             return 0.0
         return min(storage.io_timeout, WRITE_DOWN_SHARE * max(0.0, deadline - time.monotonic()))
 
+    def _expire_waiting(self) -> None:
+        """Requests still waiting to start --waiting-timeout seconds after they arrived
+        are aborted (the client gets a 503 to retry, a stream an abort chunk); one that
+        started (running, preempted since, or reading L3) is never timed out."""
+        eng, limit = self.engine, self.waiting_timeout
+        now = time.perf_counter()
+        late = [st.owner for st in eng.waiting
+                if st.owner.status == "waiting" and now - st.owner.metrics.arrival > limit]
+        for req in late:
+            eng.abort(req, f"it waited {limit:g} s in the queue without starting (--waiting-timeout); "
+                           f"retry later")
+            if self.metrics is not None:
+                self.metrics.requests_refused.labels("waiting_timeout").inc()
+        if late:
+            self._emit()
+
     def _busy(self) -> bool:
         e = self.engine
         return bool(e.waiting or e.running or e.prefetching)
@@ -210,7 +242,12 @@ class EngineRunner:
                 return
             self.streams[req.rid] = arg
             if req.session_id is not None:
-                self.sessions.begin(req.session_id)
+                if arg.record and not self.sessions.is_open(req.session_id, req.salt):
+                    # its session closed since its context was read: it runs outside it,
+                    # as a turn running at the close does, and never reopens it
+                    req.session_id = None
+                else:
+                    self.sessions.begin(req.session_id, req.salt)
             eng.enqueue(req)
         elif kind == "abort":
             eng.abort(arg, "the client went away")
@@ -259,8 +296,8 @@ class EngineRunner:
             del self.streams[req.rid]
             if req.session_id is not None:
                 if s.record and req.status == "finished":
-                    self.sessions.record(req.session_id, s.client_id, req.input_ids, req.output_ids)
-                self.sessions.end(req.session_id)
+                    self.sessions.record(req.session_id, req.salt, s.client_id, req.input_ids, req.output_ids)
+                self.sessions.end(req.session_id, req.salt)
             if m is not None:
                 m.finished(req)
             if self.log_requests:
@@ -269,20 +306,22 @@ class EngineRunner:
                 self.request_log.write(req, s.client_id)
 
     def _expire_sessions(self) -> None:
-        for sid in self.sessions.expired():
-            self.close_session(sid)
+        for sid, salt in self.sessions.expired():
+            self.close_session(sid, salt)
 
-    def close_session(self, sid) -> bool:
-        """Drop a session's cache references (the scheduler thread's). Its turns still
-        running finish outside it: they leave no reference, and a session reopened under
-        the same id is not theirs."""
+    def close_session(self, sid, salt=None) -> bool:
+        """Drop the session `sid` of the tenant `salt` and its cache references (the
+        scheduler thread's); another tenant's session of that id is another session.
+        Its turns still running finish outside it: they leave no reference, and a
+        session reopened under the same id is not theirs."""
+        key = session_key(sid, salt)
         for s in self.streams.values():
-            if s.req.session_id == sid and type(s.req.session_id) is type(sid):
+            if s.req.session_id is not None and session_key(s.req.session_id, s.req.salt) == key:
                 s.req.session_id = None
-        known = self.sessions.close(sid)
-        closed = self.engine.close_session(sid)
+        known = self.sessions.close(sid, salt)
+        closed = self.engine.close_session(sid, salt)
         if self.request_log is not None and (closed or known):
-            self.request_log.event("close_session", session=sid)
+            self.request_log.event("close_session", session=sid, salt=salt_digest(salt))
         return closed or known
 
     def _shutdown(self, eng: Engine, deadline: float | None = None) -> None:

@@ -1,9 +1,10 @@
 """`uniradix serve`: the engine from the same flags as `uniradix run`, its scheduler
 thread, and the HTTP server on a socket bound here (so `--port 0` can report the port it
 got). SIGTERM or SIGINT: stop accepting, let running requests finish for up to
---graceful-timeout seconds, abort the rest, wait for queued L3 writes, exit 0. The
-connections' own limits (head timeout, --max-connections) are connections.py's; every
-log line and start-up error goes through uniradix.redact."""
+--graceful-timeout seconds, abort the rest, wait for queued L3 writes, exit 0. SIGHUP
+reopens --request-log (request_log.py). The connections' own limits (head timeout,
+--max-connections) are connections.py's; every log line and start-up error goes through
+uniradix.redact."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     from ..config import add_flags
     from .settings import ServerConfig
     add_flags(p, ServerConfig, "HTTP server")
+    # the queue's bound under its old name (SGLang's is --max-queued-requests): old command lines still work
+    p.add_argument("--max-waiting-requests", dest="max_queued_requests", type=int, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -31,11 +35,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     _configure_logging()  # before the engine: its start-up warnings are masked too
     try:
         config = from_args(ServerConfig, a)
-        if config.request_log:  # a path it cannot append to is a start-up error, not a traceback later
-            try:
-                open(config.request_log, "a", encoding="utf-8").close()
-            except OSError as e:
-                raise ValueError(f"--request-log {config.request_log}: {e.strerror or e}") from None
+        if config.request_log:  # a path it cannot append to (or not a regular file) is a start-up error
+            from .request_log import check_path
+            check_path(config.request_log)
         budget = connection_budget(config.max_connections)
         threads = threads_from_args(a)  # before the model loads: it computes too
         logging.getLogger("uniradix.server").info("%s", threads)
@@ -55,6 +57,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     settings = {**engine.config.as_dict(), "model_path": a.model_path,
                 "model_preset": None if a.model_path else a.model_preset,
                 "dtype": a.dtype, "quantization": a.quantization, "context_length": engine.context_length,
+                "vocab_size": engine.model.vocab_size,  # what a request log's token ids are checked against
                 "num_threads": _torch_threads()}
     name = config.served_model_name[0] if config.served_model_name else a.model_path or a.model_preset
     return serve(engine, config, sock, name, settings, budget)
@@ -74,10 +77,11 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
     request_log = None
     if config.request_log:
         from .request_log import RequestLog
-        request_log = RequestLog(config.request_log, config.log_token_ids)
+        request_log = RequestLog(config.request_log, config.log_token_ids,
+                                 on_drop=metrics.request_log_lines_dropped.inc)
         request_log.event("start", settings=engine_settings)
     runner = EngineRunner(engine, metrics, config.session_timeout, config.log_requests, config.log_interval,
-                          request_log)
+                          request_log, config.waiting_timeout)
     app = build_app(runner, config, metrics, model_name, engine_settings)
     runner.start()
     # on a signal the runner gets the graceful deadline: it aborts what is still running
@@ -100,16 +104,20 @@ def serve(engine, config, sock: socket.socket, model_name: str, engine_settings:
     logging.getLogger("uniradix.server").info("settings: %s", json.dumps(shown, default=str))
     for sig in (signal.SIGINT, signal.SIGTERM):  # a signal before uvicorn takes over stops it too
         signal.signal(sig, server.handle_exit)
+    if request_log is not None:  # logrotate's postrotate: the log is opened again at its path
+        signal.signal(signal.SIGHUP, lambda sig, frame: request_log.reopen())
     _say(f"uniradix serve: {model_name} on http://{host}:{port}")
     try:
         server.run(sockets=[sock])
     finally:
         runner.stop(timeout=0.0)  # uvicorn waited for the running requests already
-        if engine.storage is not None:
-            _close_backend(engine.storage, runner.stop_deadline)
+        if engine.storage is not None:  # closed by the engine's close already, unless that failed
+            _close_backend(engine, runner.stop_deadline)
         sock.close()
-        if request_log is not None:
-            request_log.close()
+        if request_log is not None:  # within what is left of the graceful timeout (a second at least)
+            deadline = runner.stop_deadline
+            request_log.close(max(1.0, config.graceful_timeout if deadline is None
+                                  else deadline - time.monotonic()))
     _say("uniradix serve: stopped")
     return 0 if runner.failure is None else 1
 
@@ -127,15 +135,12 @@ def _torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def _close_backend(storage, deadline: float | None) -> None:
+def _close_backend(engine, deadline: float | None) -> None:
     """Close the L3 backend within what is left of the graceful timeout (without a stop
-    asked for, the tier's io_timeout): a store that hangs leaves its close behind, and
-    the process ends without waiting for it (uniradix.cli.main)."""
-    from ..hicache.io_threads import call_within
-    left = storage.io_timeout if deadline is None else max(0.0, deadline - time.monotonic())
-    if not call_within(storage.backend.close, left):
-        logging.getLogger("uniradix.server").warning(
-            "closing the L3 backend did not end within the graceful timeout: left behind")
+    asked for, the tier's io_timeout): a store that hangs leaves its close behind
+    (logged), and the process ends without waiting for it (uniradix.cli.main)."""
+    left = engine.storage.io_timeout if deadline is None else max(0.0, deadline - time.monotonic())
+    engine.close_backend(left)
 
 
 def _say(line: str) -> None:

@@ -29,8 +29,15 @@ class ServerConfig(Settings):
     served_model_name: tuple | None = setting(
         None, "the model's name(s) in the OpenAI API: requests may name any, answers give the first, another "
               "name is a 404 (default: the model path, or the preset)", check=optional(_names), several=True)
-    max_waiting_requests: int = setting(256, "requests queued beyond the running batch; more are refused with "
-                                        "503 and Retry-After", check=count())
+    max_queued_requests: int = setting(
+        256, "requests queued beyond the running batch's free places (SGLang's name; --max-waiting-requests "
+             "is the old one); a request past it is refused at once with 503 and Retry-After, and keeps its "
+             "place in line for its retries: the places that free go to the refused requests in the order they "
+             "were first refused", check=count())
+    waiting_timeout: float | None = setting(
+        None, "seconds a queued request may wait to start (SGLang's SGLANG_REQ_WAITING_TIMEOUT); past it, it "
+              "ends with 503 and Retry-After (a stream: an abort chunk). Default: it waits until it runs",
+        check=optional(number(above=0)))
     max_request_bytes: int = setting(8 << 20, "largest request body in bytes (413 beyond)", check=count())
     max_batch_prompts: int = setting(64, "prompts in one batched /generate or completions request", check=count())
     session_timeout: float | None = setting(None, "seconds a session may stay unused before it is closed "
@@ -40,7 +47,9 @@ class ServerConfig(Settings):
                                  "cached (by tier), computed and output tokens, TTFT, latency")
     request_log: str | None = setting(None, "append one JSON line per finished request to this file (time, "
                                       "rid, session, prompt and cached tokens by tier, TTFT, latency; no text): "
-                                      "read it with `uniradix hit-rate`", check=optional(text), metavar="PATH")
+                                      "read it with `uniradix hit-rate`. A regular file only; reopened on SIGHUP and "
+                                      "when PATH is moved or removed (log rotation)", check=optional(text),
+                                      metavar="PATH")
     log_token_ids: bool = setting(False, "--request-log also records each request's prompt and output token "
                                   "ids (and a digest of its cache salt), so `uniradix simulate` can replay it")
     log_interval: float | None = setting(10.0, "while requests run, log a line this often (seconds): running and "

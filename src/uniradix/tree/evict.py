@@ -60,8 +60,8 @@ class Evicting:
 
     def _place(self, ci: int, nd: Node, host: bool = False) -> None:
         """List slot (nd, ci) of one tier if it is evictable now. Entries that stop being
-        evictable (locked, given children, dropped, detached) are left in place and
-        skipped at pop."""
+        evictable (locked, given children, dropped) are left in place and skipped at
+        pop; a node removed from the tree leaves every list (_remove)."""
         if self._evictable(ci, nd, host):
             (self.host_lists if host else self.lists)[ci].place(nd, 2 if nd.refs[ci] else 1)
 
@@ -239,6 +239,10 @@ class Evicting:
         parent = nd.parent
         del parent.children[nd.key[:self.unit]]
         nd.attached = False
+        where, nc = nd.where, self.nc
+        for slot, tier in enumerate(where):  # out of every list now: a list popped seldom (a pool
+            if tier:                         # rarely short) would otherwise keep removed nodes for good
+                (self.lists if slot < nc else self.host_lists)[slot % nc].place(nd, 0)
         self.removed_nodes += 1
         self.num_nodes -= 1
         if parent.parent is not None:

@@ -46,7 +46,10 @@ class TickQueue:
     def discard(self, nd) -> None:
         if self.od.pop(nd, 0) is None:
             return
-        self.late_key.pop(nd, None)
+        if self.late_key.pop(nd, None) is not None and len(self.late) > 2 * len(self.late_key) + 64:
+            # the heap's entries of nodes no longer listed go now and then, not only at pop
+            self.late = [e for e in self.late if self.late_key.get(e[2]) == e[0]]
+            heapq.heapify(self.late)
 
     def touch(self, nd) -> None:
         if not self.touch_moves:

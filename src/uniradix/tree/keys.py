@@ -49,6 +49,15 @@ def check_session_id(session_id) -> None:
                          f"{session_id!r:.40}")
 
 
+def session_key(session_id, salt=None) -> tuple:
+    """The one rule for who a session belongs to: the tenant (the request's cache salt,
+    as `salt_key` partitions reuse) it was opened under, with its id. The same id under
+    another salt is another session, so from another tenant a session does not exist:
+    the tree's references, the server's open sessions and their turns all key by this."""
+    check_session_id(session_id)
+    return salt_key(salt), session_id
+
+
 def check_priority(priority) -> None:
     """Eviction priority: None or a Python int (it is compared with other nodes' priorities
     and ordered in the eviction heaps)."""

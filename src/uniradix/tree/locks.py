@@ -5,6 +5,7 @@ one node); unlocking releases exactly those. A session reference ranks the same 
 last for eviction without pinning them."""
 from __future__ import annotations
 
+from .keys import session_key
 from .node import Node
 from .results import Freed, LockReceipt
 
@@ -110,13 +111,27 @@ class Locking:
             self.host_locked[ci] -= hst
 
     # ------------------------------------------------------------------ sessions
-    def register_session(self, session_id, nd: Node) -> None:
-        """Reference what a finished request of this session would reuse next turn."""
-        self.close_session(session_id)
-        self.sessions[session_id] = self._pin_all(nd, False)
+    def register_session(self, session_id, nd: Node, salt=None) -> None:
+        """Reference what a finished request of this session would reuse next turn. A
+        session is its tenant's (`salt`, the request's: keys.session_key): another
+        tenant's turn under the same id never replaces this reference."""
+        key = session_key(session_id, salt)
+        self._unreference(self.sessions.pop(key, None))
+        self.sessions[key] = self._pin_all(nd, False)
 
-    def close_session(self, session_id) -> bool:
-        rc = self.sessions.pop(session_id, None)
+    def close_session(self, session_id, salt=None) -> bool:
+        """Drop the references of session `session_id` of the tenant `salt` (False: it
+        had none; another tenant's session of that id is untouched)."""
+        return self._unreference(self.sessions.pop(session_key(session_id, salt), None))
+
+    def close_all_sessions(self) -> int:
+        """Drop every session's references (a flush); how many there were."""
+        keys = list(self.sessions)
+        for key in keys:
+            self._unreference(self.sessions.pop(key))
+        return len(keys)
+
+    def _unreference(self, rc: LockReceipt | None) -> bool:
         if rc is None:
             return False
         for ci, nd, lo in rc.pins:

@@ -85,7 +85,7 @@ class RadixTree(Inserting, Locking, Tiers, Evicting):
         self.offloaded = [0] * self.nc     # device handles dropped because the host holds a copy
         self.removed_nodes = 0
         self.num_nodes = 0
-        self.sessions: dict[object, LockReceipt] = {}
+        self.sessions: dict[tuple, LockReceipt] = {}  # by keys.session_key(id, salt)
         self._single = self.nc == 1      # the one-component fast paths (off once a host tier is used)
         self.hosted = False               # some slot has been given a host copy
         self._rules = self.components[1:]  # components that can make a leaf useless

@@ -1,21 +1,71 @@
-"""L3 backends by name, for `--hicache-storage-backend` and its extra config.
+"""L3 backends by name, for `--hicache-storage-backend` and its extra config, and the
+one builder that opens one for a start (`open_backend`: built, then its store reached).
 
 Every mistake in the extra config is a one-line ValueError that names the backend and
-the setting and says what is expected: a start-up error, never a traceback."""
+the setting and says what is expected: a start-up error, never a traceback. So is a
+store that cannot be reached at start-up (StorageUnavailable), unless the extra config
+says `"allow_unavailable_at_start": true`."""
 from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import math
 
 from ...config import STORAGE_BACKENDS, StorageConfig, parse_extra_config
-from ..storage import StorageBackend
+from ..io_threads import DaemonThreads, call_within
+from ..storage import StorageBackend, StorageUnavailable
+
+log = logging.getLogger("uniradix.hicache")
 
 BACKENDS = STORAGE_BACKENDS
 
 # Extra-config keys the storage tier reads itself (config.StorageConfig checks them);
 # make_backend leaves them out of the backend's settings.
 TIER_KEYS = StorageConfig.tier_keys()
+
+
+def open_backend(settings: StorageConfig) -> StorageBackend:
+    """The backend `settings` name (hicache_storage_backend and its extra config), its
+    store reached once before anything serves: the one builder of `uniradix run`,
+    `uniradix serve` and `Engine(hicache_storage_backend=...)`. A store that cannot be
+    reached within io_timeout is StorageUnavailable (one line naming it, secrets masked
+    by the backend's own messages), so that a start never goes on with L3 silently off,
+    unless `allow_unavailable_at_start` says it may come later: then a warning, and
+    every call fails, counted, until it answers (as when a store goes away later)."""
+    if not settings.hicache_storage_backend:
+        raise ValueError("no storage backend is named (hicache_storage_backend)")
+    backend = make_backend(settings.hicache_storage_backend, settings.backend_settings())
+    try:
+        _probe(backend, settings.io_timeout)
+    except StorageUnavailable as e:
+        if settings.allow_unavailable_at_start:
+            log.warning("%s; L3 calls fail until it answers (allow_unavailable_at_start)", e)
+            return backend
+        call_within(backend.close, settings.io_timeout)
+        raise StorageUnavailable(f"{' '.join(str(e).split())} (at start-up; to start without it and use it "
+                                 f'once it answers, add "allow_unavailable_at_start": true to '
+                                 f"--hicache-storage-backend-extra-config)") from None
+    return backend
+
+
+def _probe(backend: StorageBackend, timeout: float) -> None:
+    """backend.probe() on a daemon thread, waited for at most `timeout` seconds (a store
+    that never answers must not hold the start for good); whatever it raises is the
+    store unavailable."""
+    threads = DaemonThreads(1, "uniradix-probe")
+    fut = threads.submit(backend.probe)
+    try:
+        fut.result(timeout=timeout)
+    except TimeoutError:
+        raise StorageUnavailable(f"{backend.name} backend: the store did not answer within io_timeout "
+                                 f"({timeout:g} s)") from None
+    except StorageUnavailable:
+        raise
+    except Exception as e:  # noqa: BLE001 - a user backend's probe failing is the store unreachable
+        raise StorageUnavailable(f"{backend.name} backend: reaching the store failed: {_one_line(e)}") from None
+    finally:
+        threads.shutdown()
 
 
 def make_backend(name: str, extra_config: str | dict | None = None) -> StorageBackend:

@@ -3,9 +3,10 @@
 and counts what failed. The backend says what to call; this module says how.
 
 Reaching the master: the client connects when it is built (the settings are validated
-before, by `mooncake.resolve_settings`). If the master cannot be reached it logs a
-warning and does not fail; every call then raises `StorageUnavailable` naming the
-master until it answers, when the client connects by itself. Before connecting, and
+before, by `mooncake.resolve_settings`). If the master cannot be reached it does not
+fail (whether a start may go on without it is the start-up's probe to say:
+backends.open_backend); every call then raises `StorageUnavailable` naming the master
+until it answers, when the client connects by itself. Before connecting, and
 after any call that failed to reach the master, a plain TCP connect to the master's
 port (at most `connect_timeout`) decides at once whether to try: a master that is down
 costs a refused connect, not Mooncake's own retries (20 attempts of seconds each at
@@ -96,8 +97,8 @@ class MooncakeClient:
         self.counters = dict.fromkeys(counters, 0)
         try:
             self.connect()
-        except StorageUnavailable as e:
-            log.warning("%s; L3 calls fail until it answers", e)
+        except StorageUnavailable as e:  # said by the start-up's probe (backends.open_backend), not here
+            log.debug("%s; L3 calls fail until it answers", e)
 
     def count(self, **inc: int) -> None:
         with self._lock:

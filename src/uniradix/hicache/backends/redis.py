@@ -116,13 +116,14 @@ class RedisBackend(StorageBackend):
             raise ValueError(f"redis backend: bad url {self.safe_url!r}: {what}") from None
         except ValueError as e:
             raise ValueError(f"redis backend: bad url {self.safe_url!r}: {self._masked(e)}") from None
+        # Nothing is sent yet: whether the server answers at start-up is the start-up's
+        # question (probe, asked by backends.open_backend); a server that is not there
+        # makes every call raise StorageUnavailable until it answers.
         self.client = redis.Redis(connection_pool=self.pool)
-        # Say early if the server is not there, but do not fail: the engine keeps serving
-        # without L3 (every call raises StorageUnavailable) and picks it up once it answers.
-        try:
-            self._call(self.client.ping)
-        except StorageUnavailable as e:
-            log.warning("%s; L3 calls fail until it answers", e)
+
+    def probe(self) -> None:
+        """One PING (StorageUnavailable naming the URL when the server does not answer)."""
+        self._call(self.client.ping)
 
     # ------------------------------------------------------------------ plumbing
     def _connected(self, conn) -> None:

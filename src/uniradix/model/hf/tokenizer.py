@@ -45,11 +45,15 @@ class HFTokenizer:
         t = self.settings.get(name)
         return t.get("content") if isinstance(t, dict) else t
 
+    # The batch forms, on one item: `tokenizers` releases the GIL in them and not in
+    # encode/decode, so a long text encoded on a worker thread does not stop the server's
+    # event loop (measured: a 650 KB text, 2.8 s; the loop ran 3 times meanwhile, 1522
+    # with encode_batch). Same ids, same text.
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The prompt text for `messages` ([{"role", "content"}, ...])."""
