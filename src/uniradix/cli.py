@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from .engine.flags import add_engine_args, engine_from_args, threads_from_args
+from .engine.flags import add_engine_args, engine_from_args, pools_line, threads_from_args
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -48,6 +48,7 @@ def cmd_run(a: argparse.Namespace) -> int:
           f"{wl.output_tokens} output tokens per round, shared prefix {wl.shared_prefix_tokens}"
           f"{', chat' if chat else ''}, cache {'off' if a.disable_radix_cache else 'on'}, device {engine.device}, "
           f"{threads}", file=sys.stderr if a.json else sys.stdout)  # with --json, stdout is the JSON document alone
+    print(f"uniradix run: {pools_line(engine)}", file=sys.stderr if a.json else sys.stdout)
     bar = None
     if not a.no_progress:
         from tqdm import tqdm

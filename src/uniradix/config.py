@@ -168,9 +168,14 @@ class CacheConfig(Settings):
     """The device tier (L1): pool sizes as SGLang's flags give them, and the tree."""
 
     page_size: int = setting(1, "tokens per KV page", check=count())
-    max_total_tokens: int = setting(16384, "FULL KV pool size in tokens", check=count())
-    swa_full_tokens_ratio: float = setting(1.0, "SWA KV pool size as a fraction of the FULL pool",
-                                           check=number(above=0))
+    max_total_tokens: int = setting(16384, "the KV budget: this many tokens in every KV layer (SGLang's meaning); "
+                                           "with sliding-window layers it is split, and FULL holds what the "
+                                           "window pool leaves (the start-up line says the split)", check=count())
+    swa_full_tokens_ratio: float | None = setting(
+        None, "SWA KV pool size as a fraction of the FULL pool, within the budget (SGLang's meaning; 1: every "
+              "layer holds --max-total-tokens); default: derived from the workload, the windows of "
+              "--max-running-requests requests, a prefill chunk and one prompt of the context length, and the "
+              "rest to FULL", check=optional(number(above=0)))
     max_mamba_cache_size: int | None = setting(
         None, "recurrent state slots for running requests and checkpoints "
               "(default: 4 x --max-running-requests + 64)", check=optional(count()))

@@ -1,6 +1,6 @@
-"""benchmarks/engine_ab.py and benchmarks/threads.py run end to end on the embedded
-model with tiny settings: they print their tables and one JSON line, and each A/B
-change's two passes give identical replies."""
+"""benchmarks/engine_ab.py, benchmarks/threads.py and benchmarks/decode_step.py run end
+to end on the embedded model with tiny settings: they print their tables and one JSON
+line, and each A/B change's two passes give identical replies."""
 import json
 import os
 import subprocess
@@ -62,3 +62,104 @@ def test_kernels_ab_runs_both_kernels(tmp_path):
     result = json.loads(out.strip().splitlines()[-1])
     assert "torch's kernels" in out and "row-invariant kernels" in out and result["errors"] == 0
     assert result["baseline"]["all"]["hit_rate"] == result["change_on"]["all"]["hit_rate"] > 0
+
+
+def test_decode_step_measures_its_floor_the_cpu_and_the_split(tmp_path):
+    """benchmarks/decode_step.py: each row is set against its floor (the bytes a step
+    reads, over the bandwidth measured in the same run), the CPU's flags and the kernels
+    line come with it, and the split (the kernels timed by wrapping them, torch's ops by
+    the profiler, the rest Python) adds up to the step. No timing verdict: the figures
+    only have to be what they say."""
+    import torch
+    from uniradix.model import load_model
+
+    out = run_script("decode_step.py", "--model-path", "tiny-hybrid", "--batches", "1,2", "--steps", "2",
+                     "--prompt", "16", "--bandwidth-mb", "8", "--threads", "1", tmp_path=tmp_path)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert set(result["cpu"]["flags"]) == {"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile"}
+    assert result["cpu"]["model"] and result["kernels"] and result["threads"] == 1
+    bw = result["bandwidth"]
+    assert bw["one_core_gbs"] > 0 and bw["threads_gbs"] > 0 and bw["best_gbs"] >= bw["threads_gbs"]
+    (prec,) = result["precisions"]
+    assert prec["dtype"] == "float32" and prec["quantization"] == "none" and prec["bandwidth_gbs"] > 0
+
+    # the bytes: every weight the step multiplies by (the separate head included), one
+    # embedding row per request, keys and values per request
+    model = load_model("tiny-hybrid")
+    leaves = [t for k, t in model.weights.items() if k != "layers"] + \
+        [t for layer in model.weights["layers"] for t in layer.values()]
+    all_bytes = sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+    embed = model.weights["embed"]
+    one, two = prec["rows"]
+    assert (one["batch"], two["batch"]) == (1, 2)
+    assert one["bytes"]["weights"] == two["bytes"]["weights"] == all_bytes - embed.numel() * embed.element_size()
+    assert one["bytes"]["embedding"] == embed.shape[1] * embed.element_size() and \
+        two["bytes"]["embedding"] == 2 * one["bytes"]["embedding"]
+    assert one["bytes"]["kv"] > 0 and two["bytes"]["kv"] == 2 * one["bytes"]["kv"]
+    assert prec["bytes_batch1"] == one["bytes"] and prec["floor_ms"] > 0
+
+    for row in prec["rows"]:
+        assert row["floor_ms"] > 0 and row["x_floor"] > 0 and row["x_floor_best"] > 0
+        assert abs(row["x_floor"] - row["step_ms"] / row["floor_ms"]) < 1e-9 * row["x_floor"]
+        assert row["floor_ms"] == row["bytes"]["total"] / (prec["bandwidth_gbs"] * 1e9) * 1e3
+        parts = row["parts_ms"]
+        assert set(parts) == {"products", "attention", "activations", "recurrences", "other ops", "Python"}
+        assert all(v >= 0 for v in parts.values()) and abs(sum(parts.values()) - row["step_ms"]) < 1e-6 * row["step_ms"]
+        if result["kernels"].startswith("row-invariant"):  # the kernels' calls were timed, not missed
+            assert row["kernel_calls"]["linear"] > 0 and parts["products"] > 0
+    assert one["step_ratio"] == 1.0 and two["step_ratio"] > 0
+    assert "x floor" in out and "avx2" in out and result["kernels"] in out
+
+
+def test_floor_bytes_read_a_shared_table_once_and_each_window_at_most():
+    """memory_floor.step_bytes: a head that is the embedding's very table (the GGUF read
+    as stored) is read once, in full; a separate head and the embedding's looked-up rows
+    otherwise; a window layer's keys stop at its window, a full layer's grow with depth."""
+    import torch
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import memory_floor
+    from uniradix.specs import FullKV, KVShape, LayerState, ModelStates, SlidingWindowKV
+
+    full, swa = FullKV(), SlidingWindowKV(window=4)
+    kv = KVShape(2, 8, "bfloat16")
+    states = ModelStates(((full, (LayerState(0, full, kv),)), (swa, (LayerState(1, swa, kv),))))
+
+    class Model:
+        embed_weight = "embed"
+
+        def __init__(self, weights, head):
+            self.weights, self.lm_head = weights, head
+
+        def states(self):
+            return states
+
+    table, proj, norm = torch.zeros(100, 16), torch.zeros(16, 16, dtype=torch.bfloat16), torch.zeros(16)
+    tied = memory_floor.step_bytes(Model({"embed": table, "lm_head.weight": table, "proj": proj, "norm": norm},
+                                         table), batch=1, depth=10)
+    assert tied["weights"] == 100 * 16 * 4 + 16 * 16 * 2 + 16 * 4 and tied["embedding"] == 0
+    own = torch.zeros(100, 16, dtype=torch.bfloat16)  # a head of its own, outside the weights dict
+    sep = memory_floor.step_bytes(Model({"embed": table, "proj": proj}, own), batch=3, depth=10)
+    assert sep["weights"] == 100 * 16 * 2 + 16 * 16 * 2 and sep["embedding"] == 3 * 16 * 4
+    per_key = 2 * 2 * 8 * 2  # keys and values, 2 heads of 8, bfloat16
+    assert sep["kv"] == 3 * per_key * (11 + 4) and sep["total"] == sep["weights"] + sep["embedding"] + sep["kv"]
+
+
+def test_capacity_counts_conversations_in_a_budget_for_both_splits(tmp_path):
+    """benchmarks/capacity.py on the embedded Gemma-like layers: the derived split holds
+    more conversations of the same length in the same budget than 1:1 (its window pool
+    keeps only what the workload needs), each split within the budget, and the hit rates
+    when twice as many come back are fractions, with no error, the tiers never below L1."""
+    out = run_script("capacity.py", "--model-path", "gemma3-like", "--budget-gib", "0.002", "--lengths", "512",
+                     "--page-size", "4", tmp_path=tmp_path)
+    result = json.loads(out.strip().splitlines()[-1])
+    rows = result["lengths"]["512"]
+    one, derived = rows["1:1 (old default)"], rows["derived (new default)"]
+    assert 1 <= one["capacity"] < derived["capacity"]
+    assert one["split"]["full"]["tokens"] == one["split"]["swa"]["tokens"] == result["max_total_tokens"] // 4 * 4
+    assert derived["split"]["full"]["tokens"] > one["split"]["full"]["tokens"] > derived["split"]["swa"]["tokens"]
+    for row in (one, derived):
+        assert sum(p["GiB"] for p in row["split"].values()) <= 0.002 * 1.0001
+        for tiers in row["come_back"].values():
+            assert all(t["errors"] == 0 and 0.0 <= t["hit_rate"] <= 1.0 for t in tiers.values())
+            assert tiers["L1"]["hit_rate"] <= tiers["L1+L2"]["hit_rate"] <= tiers["L1+L2+L3"]["hit_rate"]
+    assert "| 512 | derived (new default) |" in out

@@ -32,6 +32,31 @@ def has_kind(name: str, kind: str) -> bool:
     return kind in PRESETS[name].pattern
 
 
+def full_budget(model, full_tokens: int, page_size: int = 1, **settings) -> int:
+    """--max-total-tokens for a FULL pool of at most `full_tokens` tokens: the KV budget is
+    split (engine.build.kv_split), and FULL gets what the window pools leave of it, so a
+    test that sizes FULL to press it asks for the budget that leaves it this much.
+    `settings`: the other cache settings (swa_full_tokens_ratio, ...) and max_running /
+    chunk as the engine gets them."""
+    from uniradix.config import CacheConfig, SchedulerConfig
+    from uniradix.engine.build import kv_split
+    from uniradix.model import load_model
+    m = load_model(model) if isinstance(model, str) else model
+    sched = SchedulerConfig()
+    split = {"max_running": settings.pop("max_running", sched.max_running_requests),
+             "chunk": settings.pop("chunk", sched.chunked_prefill_size)}
+    best = page_size
+    for t in range(page_size, full_tokens + page_size, page_size):
+        try:
+            sizes = kv_split(m, CacheConfig(page_size=page_size, max_total_tokens=t, **settings), **split).sizes
+        except ValueError:  # too small a budget for a window pool
+            continue
+        if sizes["full"][0] * page_size > full_tokens:
+            break
+        best = t
+    return best
+
+
 def toks(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 

@@ -52,9 +52,11 @@ def test_request_that_can_never_fit_fails_and_others_are_served(make_engine, nam
 
 
 def test_request_larger_than_the_swa_pool_fails_with_a_clear_message(make_engine):
-    eng = make_engine("gemma3-like", page_size=4, max_total_tokens=256, swa_full_tokens_ratio=0.125)
+    # the budget, 64 pages in each of 6 KV layers, split 43:1: FULL 344 pages, SWA 8
+    eng = make_engine("gemma3-like", page_size=4, max_total_tokens=256, swa_full_tokens_ratio=1 / 43)
+    assert eng.pools["swa"].size == 8 and eng.pools["full"].size == 344
     rng = random.Random(11)
-    big = greedy(toks(rng, 60), 4)   # its prompt needs 15 SWA pages; the pool holds 8
+    big = greedy(toks(rng, 60), 4)   # decoding, it holds two windows and a page: 11 SWA pages; the pool holds 8
     small = greedy(toks(rng, 20), 4)
     eng.submit(big)
     assert big.status == "error" and big.done, "known at submission: it fails at once"

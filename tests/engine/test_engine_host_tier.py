@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_checks import (
+from engine_checks import (full_budget, 
     PAGE_SIZES,
     PRESET_NAMES,
     check_exact,
@@ -82,8 +82,8 @@ def test_an_evicted_turn_comes_back_from_the_host_whole(make_engine, name, page)
     pages, window and checkpoint go host-only); turn 2 reuses exactly what it would have
     reused from the device (the last full page of what turn 1 computed), all of it from
     the host, and computes only the rest."""
-    eng = hier(make_engine, name, page, max_total_tokens=128, hicache_ratio=8.0,
-               swa_full_tokens_ratio=0.5, max_mamba_cache_size=8)
+    eng = hier(make_engine, name, page, max_total_tokens=full_budget(name, 128, page, swa_full_tokens_ratio=0.5),
+               hicache_ratio=8.0, swa_full_tokens_ratio=0.5, max_mamba_cache_size=8)
     rng = random.Random(1)
     p1 = toks(rng, 24)
     r1 = greedy(p1, 5)

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from engine_checks import (PAGE_SIZES, PRESET_NAMES, check_exact, check_ownership, check_work, diverging,
+from engine_checks import (PAGE_SIZES, PRESET_NAMES, check_exact, full_budget, check_ownership, check_work, diverging,
                            greedy, has_kind, page_floor, run_checked, toks)
 
 grid = pytest.mark.parametrize("page", PAGE_SIZES)
@@ -193,7 +193,8 @@ def _pressure(make_engine, name, page, seed, trunk_len=48, branches=10, out=4, r
         k = rng.randrange(8, trunk_len)
         reqs.append(greedy(trunk[:k] + diverging(rng, rng.randrange(4, 12), [trunk[k]]), out))
     longest = max(len(r.input_ids) for r in reqs) + out
-    eng = make_engine(name, page_size=page, max_total_tokens=page * -(-(room * longest) // page),
+    full = full_budget(name, page * -(-(room * longest) // page), page, swa_full_tokens_ratio=ratio, max_running=2)
+    eng = make_engine(name, page_size=page, max_total_tokens=full,
                       swa_full_tokens_ratio=ratio, max_mamba_cache_size=mamba, max_running_requests=2)
     run_checked(eng, reqs)
     for r in reqs:

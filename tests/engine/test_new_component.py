@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from engine_checks import check_exact, check_work, greedy, page_floor, run_checked, toks
+from engine_checks import check_exact, full_budget, check_work, greedy, page_floor, run_checked, toks
 
 from uniradix.engine import build_cache
 from uniradix.hicache.backends.file import FileBackend
@@ -89,7 +89,7 @@ def test_device_tier(make_engine, what, model, page):
 def test_host_tier(make_engine, what, model, page):
     """Turn 1, other traffic until the device evicted it to the host, then turn 2 loads
     it back from the host whole."""
-    eng = make_engine(model, page_size=page, max_total_tokens=128, max_mamba_cache_size=8,
+    eng = make_engine(model, page_size=page, max_total_tokens=full_budget(model, 128, page), max_mamba_cache_size=8,
                       enable_hierarchical_cache=True, hicache_ratio=8.0)
     rng = random.Random(2)
     (first,), nxt = conversation(eng, rng, turns=1)

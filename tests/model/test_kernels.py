@@ -182,6 +182,49 @@ def test_attention_is_per_query_and_is_softmax_attention(dtype, sinks):
         assert (out[r].double() - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_attention_over_long_spans_is_the_same_bits_in_any_block(dtype):
+    """A prefill chunk of 90 rows over 300 earlier keys (query blocks of 64, key tiles of
+    64) and windowed rows: each row's output is the bits of that row alone, of the chunk
+    cut anywhere, and within float32 of softmax attention."""
+    torch.manual_seed(5)
+    H, KV, d, n_slots = 8, 2, 24, 500
+    kp, vp = torch.randn(n_slots, KV, d).to(dtype), torch.randn(n_slots, KV, d).to(dtype)
+    keys = torch.randperm(n_slots)[:390]
+    N = 90
+    q = torch.randn(N, H, d)
+    causal_first = torch.zeros(N, dtype=torch.int64)
+    causal_count = torch.arange(301, 301 + N)
+    window = 70
+    win_first = (causal_count - window).clamp(min=0)
+    for first, count in ((causal_first, causal_count), (win_first, causal_count - win_first)):
+        out = kernels.attention(q, kp, vp, keys, first, count, 0.2)
+        for cut in (1, 7, 33, 64):
+            parts = [kernels.attention(q[i:i + cut], kp, vp, keys, first[i:i + cut], count[i:i + cut], 0.2)
+                     for i in range(0, N, cut)]
+            assert torch.equal(torch.cat(parts), out), cut
+        for r in (0, 45, 89):
+            sl = keys[first[r]:first[r] + count[r]]
+            k = kp[sl].double().repeat_interleave(H // KV, dim=1)
+            v = vp[sl].double().repeat_interleave(H // KV, dim=1)
+            ref = torch.einsum("hn,nhd->hd", (torch.einsum("hd,nhd->hn", q[r].double(), k) * 0.2).softmax(-1), v)
+            assert (out[r].double() - ref).abs().max().item() < 1e-5
+
+
+def test_rms_norm_is_per_row_and_is_rms_norm():
+    torch.manual_seed(8)
+    x = torch.randn(13, 70) * 3
+    w = torch.randn(70)
+    y = kernels.rms_norm(x, w, 1e-6)
+    for r in range(13):
+        assert torch.equal(kernels.rms_norm(x[r:r + 1], w, 1e-6), y[r:r + 1])
+    ref = x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w.double()
+    assert (y.double() - ref).abs().max().item() < 1e-5
+    assert torch.equal(kernels.rms_norm(x.bfloat16(), None, 1e-6), kernels.rms_norm(x.bfloat16().float(), None, 1e-6))
+    with pytest.raises(ValueError, match="scale"):
+        kernels.rms_norm(x, torch.randn(69), 1e-6)
+
+
 # ---------------------------------------------------------------------------- recurrences
 def _naive_delta(q, k, v, beta, g, S):
     B, T, H, dk = q.shape

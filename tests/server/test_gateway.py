@@ -67,6 +67,9 @@ def test_every_policy_serves_every_route(workers, policy):
 
 
 def test_loads_and_metadata_reach_the_gateway(workers):
+    from uniradix.engine import Engine
+    # each worker's FULL pool: what --max-total-tokens 4096 leaves it (engine.build.kv_split)
+    full_tokens = Engine("tiny-hybrid", max_total_tokens=4096, max_running_requests=8).pools["full"].size
     gw = GatewayProc(urls(workers), "power_of_two", "--load-monitor-interval", "1")
     try:
         ws = {w["url"]: w for w in gw.workers()}
@@ -83,7 +86,7 @@ def test_loads_and_metadata_reach_the_gateway(workers):
         assert {x["worker"] for x in loads["loads"]} == set(urls(workers)), loads
         for x in loads["loads"]:
             assert isinstance(x["num_running_reqs"], int) and isinstance(x["max_total_num_tokens"], int)
-            assert 0.0 <= x["token_usage"] <= 1.0 and x["max_total_num_tokens"] == 4096
+            assert 0.0 <= x["token_usage"] <= 1.0 and x["max_total_num_tokens"] == full_tokens
         status, out, _ = gw.post("/flush_cache")   # fanned out to every worker
         assert status == 200 and out["workers_flushed"] == 2, out
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import fcntl
 import os
 import signal
 import subprocess
@@ -90,18 +91,37 @@ def test_only_a_regular_file_is_opened_and_the_check_never_blocks(tmp_path, kind
     assert (tmp_path / "new.jsonl").is_file()
 
 
+def _fill(fd: int) -> None:
+    """Fill a pipe nobody reads to the last byte, so the next write to it blocks for good."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+    for chunk in (b"x" * 4096, b"x"):
+        try:
+            while True:
+                os.write(fd, chunk)
+        except BlockingIOError:
+            pass
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+
+
 def test_a_stuck_sink_holds_neither_the_writers_nor_close(tmp_path, monkeypatch, caplog):
-    unread, stuck = os.pipe()   # nothing reads it: once full, a write to it blocks for good
+    unread, stuck = os.pipe()   # nothing reads it: full, a write to it blocks for good
+    _fill(stuck)
     monkeypatch.setattr(request_log, "open_sink", lambda path: os.dup(stuck))
     dropped = []
     log = RequestLog(str(tmp_path / "log.jsonl"), on_drop=dropped.append, queue_bytes=16 * 1024, check_s=3600)
     try:
         with caplog.at_level(logging.WARNING, logger="uniradix.server"):
-            # a few MB of lines against a 64 KiB pipe and a 16 KiB queue: none of this may wait
-            within(lambda: [log.event("filler", pad="x" * 2000, n=i) for i in range(2000)])
+            log.event("first")
+            until(lambda: not log._pending)    # the writer took it and waits on the full pipe from now on
+            line = lambda i: log.event("filler", pad="x" * 2000, n=f"{i:06d}")   # every line the same size
+            # a few MB of lines against a full pipe and a 16 KiB queue: none of this may wait
+            within(lambda: [line(i) for i in range(2000)])
             assert log.dropped > 0 and sum(dropped) == log.dropped
+            assert 0 < log._pending_bytes <= log.queue_bytes
+            assert log.dropped + len(log._pending) == 2000    # each line either queued or dropped, none lost
             before = log.dropped
-            within(lambda: [log.event("more", n=i) for i in range(100)])
+            within(lambda: [line(i) for i in range(2000, 2100)])
             assert log.dropped == before + 100      # the queue is full and stays bounded: each new line goes
             assert sum(dropped) == log.dropped
             said = [r for r in caplog.records if "not keeping up" in r.getMessage()]

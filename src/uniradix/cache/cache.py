@@ -104,11 +104,13 @@ class UnifiedRadixCache(Running, Finishing):
 
     # ------------------------------------------------------------------ a request starts
     def match_prefix(self, tokens, salt=None, priority: int | None = None, alloc: bool = False,
-                     state: RequestState | None = None) -> RequestState:
+                     state: RequestState | None = None, windows: int | None = None) -> RequestState:
         """Match, lock what the match returns, and give the request a private copy of
         the checkpoint it resumes from (into `state`, or a new RequestState). With `alloc`,
         also allocate the request's own pages for all of `tokens` in the same step, so an
-        eviction made for one component hands its other freed pages straight over. What
+        eviction made for one component hands its other freed pages straight over; the
+        windowed components' only for its first `windows` tokens when given (0: none past
+        the reused prefix; an engine takes them chunk by chunk, `alloc_window`). What
         only the host holds is loaded back (all or nothing; else the request resumes at
         the device's boundary). On CacheFull nothing stays locked or allocated."""
         if priority is not None:  # before the tree sees them: a bad one fails here, nothing held
@@ -121,7 +123,7 @@ class UnifiedRadixCache(Running, Finishing):
         m = self.tree.match(key, salt, priority, lock=True)
         if m.loads:
             try:
-                return self._start(state, key, m, salt, priority, alloc)
+                return self._start(state, key, m, salt, priority, alloc, windows)
             except CacheFull:  # the host's part cannot come back now: reuse the device's
                 self.host.counters["failed_loads"] += 1
                 self._unlock(m.receipt)
@@ -130,12 +132,13 @@ class UnifiedRadixCache(Running, Finishing):
                 self._unlock(m.receipt)
                 raise
         try:
-            return self._start(state, key, m, salt, priority, alloc)
+            return self._start(state, key, m, salt, priority, alloc, windows)
         except BaseException:
             self._unlock(m.receipt)
             raise
 
-    def _start(self, state: RequestState, key: bytes, m, salt, priority, alloc: bool) -> RequestState:
+    def _start(self, state: RequestState, key: bytes, m, salt, priority, alloc: bool,
+               windows: int | None) -> RequestState:
         """Allocate what the request needs (its own pages, its state slot, device room
         for the slots to load from the host) in one all-or-nothing step, start the
         load, and hand out the reused handles."""
@@ -145,9 +148,9 @@ class UnifiedRadixCache(Running, Finishing):
         for ci, nd in loads:
             need[ci] += len(nd.host[ci])
         own_pages = -(-ntokens // P) - b // P if alloc else 0
-        if own_pages > 0:
-            for c in self.page_comps:
-                need[c.index] += own_pages
+        own_windows = own_pages if windows is None else min(own_pages, -(-windows // P) - b // P)
+        for c in self.page_comps:
+            need[c.index] += max(0, own_pages if c.window is None else own_windows)
         if ckpt is not None:
             need[ckpt.index] += 1
         got = self.ledger.alloc(need) if any(need) else None

@@ -9,6 +9,8 @@ from ..tree.component import page_floor
 from ..tree.keys import TOKEN_BYTES, check_session_id
 from .request import RequestState
 
+_NEG = array("i", (-1,))
+
 
 class Finishing:
     """UnifiedRadixCache's end of a request (a mixin: the state lives on the cache)."""
@@ -81,6 +83,8 @@ class Finishing:
         values, tails = {}, False
         for c in self.page_comps:
             pages = req.pages[c.name]
+            if len(pages) < npages and c.window is not None:  # pages it never took a window for: absent
+                pages = req.pages[c.name] = pages + _NEG * (npages - len(pages))
             if len(pages) != npages:
                 if len(pages) < npages:
                     raise ValueError(f"request has {len(pages)} {c.name} pages, needs {npages}: "

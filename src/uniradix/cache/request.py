@@ -21,12 +21,13 @@ class RequestState:
       resume. The window before each is kept, and a checkpoint captured there.
 
     Holdings: `pages[name]` one handle per page per page component (-1 where a windowed
-    component's page was freed), `state_slot` its own recurrent state, `checkpoints`
-    {position: slot} captured (or to capture) at page-aligned positions, `rolling` the
-    position of the decode checkpoint that moves page by page, `staged` host copies of
-    pages it read from L3 (its own until it is cached). `owner`: the client's request
-    (opaque to the cache); `rng`: its sampling generator; `order`: when the scheduler
-    queued it (kept across preemption). `share_at`: positions past its prefix that
+    component's page was freed or never taken; a windowed component's list may end
+    short of `allocated`: an engine takes its pages chunk by chunk), `state_slot` its
+    own recurrent state, `checkpoints` {position: slot} captured (or to capture) at
+    page-aligned positions, `rolling` the position of the decode checkpoint that moves
+    page by page, `staged` host copies of pages it read from L3 (its own until it is
+    cached). `owner`: the client's request (opaque to the cache); `rng`: its sampling
+    generator; `order`: when the scheduler queued it (kept across preemption). `share_at`: positions past its prefix that
     waiting requests share with it: each goes into the tree as soon as it is computed
     (cache_unfinished), so they resume there instead of computing it again."""
 

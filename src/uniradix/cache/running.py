@@ -1,6 +1,6 @@
-"""While a request runs: its pages grow as it decodes, checkpoint slots are added, the
-windowed pages it no longer needs go back, and data another tier filled in moves its
-resume point."""
+"""While a request runs: its pages grow as it decodes, its windowed pages are taken
+chunk by chunk and go back once it no longer needs them, checkpoint slots are added, and
+data another tier filled in moves its resume point."""
 from __future__ import annotations
 
 from array import array
@@ -8,28 +8,61 @@ from array import array
 from ..hicache.l2 import Staged
 from ..tree import encode
 from ..tree.component import page_floor
+from .handles import CacheFull
 from .request import RequestState
+
+_NEG = array("i", (-1,))
 
 
 class Running:
     """UnifiedRadixCache's running-request operations (a mixin: the state lives on the cache)."""
 
-    def alloc_request(self, req: RequestState, upto: int | None = None) -> None:
-        """Allocate the request's own pages so they cover its first `upto` tokens (all by default)."""
+    def alloc_request(self, req: RequestState, upto: int | None = None, windows: int | None = None) -> None:
+        """Allocate the request's own pages so they cover its first `upto` tokens (all by
+        default); windowed components only its first `windows` (default `upto`; 0: none
+        more), and only from the window its next token reads (see alloc_window). All or
+        nothing: on CacheFull the request is unchanged."""
         n = req.allocated if upto is None else upto
-        want = -(-n // self.page_size)
-        pages, need = req.pages, None
+        self._alloc_own(req, n, n if windows is None else windows, req.computed)
+
+    def alloc_window(self, req: RequestState, end: int, start: int | None = None) -> None:
+        """Windowed components' own pages for computing tokens [start, end) (start: default
+        `req.computed`): every page they read, the window before `start` included. A
+        request takes these chunk by chunk as it computes, never for a whole prompt at
+        once; a page before that window it never had stays -1 (nothing reads it). All or
+        nothing: on CacheFull the request is unchanged."""
+        self._alloc_own(req, 0, end, req.computed if start is None else start)
+
+    def take_window(self, req: RequestState, b: int) -> bool:
+        """The windowed pages a resume at `b` reads (the window before it), taken now for
+        data another tier is about to fill in; False, nothing taken, when the pools
+        cannot give them."""
+        try:
+            self.alloc_window(req, b, start=b)
+        except CacheFull:
+            return False
+        return True
+
+    def _alloc_own(self, req: RequestState, upto: int, windows: int, start: int) -> None:
+        P = self.page_size
+        pages, need, pad = req.pages, None, {}
         for c in self.page_comps:
-            k = want - len(pages[c.name])
+            have = len(pages[c.name])
+            want = -(-(upto if c.window is None else windows) // P)
+            if want <= have:
+                continue
+            if c.window is not None:  # never-allocated pages below the window read from `start`
+                pad[c] = max(0, min(c.window_start(start) // P, want) - have)
+            k = want - have - pad.get(c, 0)
             if k > 0:
                 if need is None:
                     need = [0] * len(self.pools)
                 need[c.index] = k
-        if need is None:
-            return
-        got = self.ledger.alloc(need)
+        got = self.ledger.alloc(need) if need is not None else None
         for c in self.page_comps:
-            h = got[c.index]
+            if pad.get(c):
+                pages[c.name] += _NEG * pad[c]
+            h = got[c.index] if got is not None else None
             if h is not None:
                 pages[c.name] += h
 
@@ -67,6 +100,7 @@ class Running:
             points = (top, req.junction, *req.resume_points)
         for p in sorted({page_floor(x, P) for x in points}, reverse=True):
             if req.prefix_len < p <= top and all(
+                    len(req.pages[c.name]) >= p // P and
                     min(req.pages[c.name][c.window_start(p) // P: p // P], default=0) >= 0 for c in self.windowed):
                 return p
         return 0

@@ -135,11 +135,14 @@ class Admission:
 
     def _match(self, st: RequestState) -> None:
         """Match all but the last token, so at least one is computed and gives the
-        logits to sample from, and allocate pages for all of them; all or nothing."""
+        logits to sample from, and allocate pages for all of them; all or nothing. The
+        windowed components get none past the reused prefix here: each prefill chunk
+        takes the window pages it reads when it is scheduled (batching._chunk_pages), so
+        a prompt never needs window pages for all of itself at once."""
         st.prompt_len = len(st.tokens)
-        self.cache.match_prefix(st.tokens[:reuse_end(st)], st.salt, st.priority, alloc=True, state=st)
+        self.cache.match_prefix(st.tokens[:reuse_end(st)], st.salt, st.priority, alloc=True, state=st, windows=0)
         try:
-            self.cache.alloc_request(st, len(st.tokens))
+            self.cache.alloc_request(st, len(st.tokens), windows=0)
         except CacheFull:
             self.cache.release(st)
             raise

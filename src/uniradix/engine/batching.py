@@ -1,7 +1,8 @@
-"""One step's batch: prefill chunks within the token budget and one token per decoding
-request, pages grown as decoding goes (preempting the newest request on a shortfall),
-the batched forward (rerun request by request when it fails, so only the culprit
-fails), then sampling, and the finished requests handed to the cache."""
+"""One step's batch: prefill chunks within the token budget, each taking the window
+pages it reads, and one token per decoding request, pages grown as decoding goes
+(preempting the newest request on a shortfall), the batched forward (rerun request by
+request when it fails, so only the culprit fails), then sampling, and the finished
+requests handed to the cache."""
 from __future__ import annotations
 
 import time
@@ -44,24 +45,67 @@ class Batching:
             return None
 
     def _schedule(self, done: list[Request]) -> list[tuple[RequestState, PagedInput]]:
+        """The step's batch. When nothing can run because every running request waits
+        for window pages (others hold them), the newest of them is preempted (what it
+        computed is cached) until one can; alone, it can never fit and fails."""
+        while True:
+            batch, stalled = self._pick(done)
+            if batch or not stalled or self.prefetching:
+                return batch
+            st = max(stalled, key=lambda s: s.order)
+            if len(self.running) > 1:
+                self._preempt(st, done)
+                continue
+            self.running.remove(st)
+            self.cache.release(st)
+            pools = " and ".join(c.name for c in self.cache.windowed)
+            self._fail(st.owner, f"request {st.owner.rid} can never fit: the {pools} pool cannot hold the "
+                                 f"window its next token reads and a page")
+            done.append(st.owner)
+
+    def _pick(self, done: list[Request]) -> tuple[list, list[RequestState]]:
+        """Prefill chunks within the step's token budget, each with the window pages it
+        reads (`_chunk_pages`), and one token per decoding request; also the prefilling
+        requests that get no window page this step (they keep their place)."""
         budget = self.chunk
-        batch = []
+        batch, stalled = [], []
         for st in list(self.running):
             if st not in self.running:
                 continue  # preempted to make room for an earlier one
             n = len(st.tokens) - st.computed
-            if n > 1:  # prefill, within the step's token budget
+            chunked = n > 1
+            if chunked:  # prefill, within the step's token budget
                 n = min(n, budget)
                 if n == 0:
                     continue
-                budget -= n
             try:
-                if n == 1 and not self._grow(st, done):
+                if st.computed < st.prompt_len:
+                    n = self._chunk_pages(st, n)
+                    if not n:
+                        stalled.append(st)
+                        continue
+                elif not self._grow(st, done):
                     continue
+                if chunked:
+                    budget -= n
                 batch.append((st, self._input(st, n)))
             except Exception as e:
                 self._abort(st, e, done)
-        return batch
+        return batch, stalled
+
+    def _chunk_pages(self, st: RequestState, n: int) -> int:
+        """Take the window pages a prefill chunk of `n` tokens reads (admission gave the
+        request none past its prefix); on a shortfall the chunk halves until they fit.
+        Returns the chunk's length, 0 when not one token's fit this step."""
+        if not self.cache.windowed:
+            return n
+        while n:
+            try:
+                self.cache.alloc_window(st, st.computed + n)
+                return n
+            except CacheFull:
+                n //= 2
+        return 0
 
     def _grow(self, st: RequestState, done: list[Request]) -> bool:
         """Pages for the token a decoding request is about to compute. On a shortfall the
@@ -175,6 +219,12 @@ class Batching:
     def _store(self, st: RequestState, session_id=None) -> None:
         """Hand the request's computed tokens to the tree (or free them with the cache off)."""
         if not self.use_cache:
+            self.cache.release(st)
+            return
+        if st.computed < st.allocated:  # preempted while prefilling: what it computed, where a resume can use it
+            p = self.cache.shareable(st, st.computed)
+            if p:
+                self.cache.cache_unfinished(st, upto=p)
             self.cache.release(st)
             return
         if st.allocated < st.computed:  # their pages are there: no allocation

@@ -70,6 +70,7 @@ class Engine(Admission, Batching):
         host = config.host if self.use_cache else replace(config.host, enable_hierarchical_cache=False)
         self.cache, self.pools = build_cache(self.model, config.cache, host, device=self.device,
                                              max_running=sched.max_running_requests,
+                                             chunk=sched.chunked_prefill_size, context_length=self.context_length,
                                              accounting_only=accounting_only)
         self.hierarchical = self.cache.host is not None
         self.page_size = config.cache.page_size
@@ -209,8 +210,8 @@ class Engine(Admission, Batching):
         total = -(-(L + req.sampling.max_new_tokens) // P)
         for c, pool in zip(self.cache.page_comps, (self.cache.pools[c.index] for c in self.cache.page_comps)):
             n = total
-            if c.window is not None:  # the prompt at once, then about two windows while decoding
-                n = max(-(-L // P), min(total, 2 * -(-c.window // P) + 3))
+            if c.window is not None:  # at most two windows and a page: prefill takes them chunk by chunk
+                n = min(total, 2 * -(-c.window // P) + 3)
             if n > pool.size:
                 return (f"request {req.rid} can never fit: it needs {n} {c.name} pages "
                         f"({L} prompt + {req.sampling.max_new_tokens} new tokens at page size {P}) "

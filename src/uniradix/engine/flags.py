@@ -31,6 +31,13 @@ def threads_from_args(a: argparse.Namespace) -> str:
     return f"{start_threads(from_args(ComputeSettings, a).num_threads)}, {kernels.describe()}"
 
 
+def pools_line(engine) -> str:
+    """The start-up line of an engine's KV pools: how the budget is split (engine.build)."""
+    from .build import describe_split, kv_split
+    return describe_split(kv_split(engine.model, engine.config.cache, max_running=engine.max_running,
+                                   chunk=engine.chunk, context_length=engine.context_length))
+
+
 def engine_from_args(a: argparse.Namespace):
     """An Engine from the flags (it opens the L3 backend they name: a store that cannot
     be reached is StorageUnavailable, unless allow_unavailable_at_start)."""

@@ -234,6 +234,9 @@ class StorageTier:
             return b
         cache = self.cache
         cache.sync_loads()  # a host load into the same state slot ends first
+        if not cache.take_window(state, got.b):  # no room for the window a resume there reads: compute
+            return b
+        self.store.bind(got, state.pages)
         if cache.stage_fetched(state, got):
             self.store.count_applied(got)
         else:  # no host tier, or no room there: straight into the device pages

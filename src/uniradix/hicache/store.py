@@ -260,7 +260,7 @@ class L3Store(Writing):
         h = self._hit(keys)
         if h - start < max(threshold, 1):
             return None
-        return self._fetch(tokens, h, pages, state_slot, salt, start, keys[:h // self.P])
+        return self._fetch(tokens, h, pages, state_slot, salt, start, keys[:h // self.P], later=True)
 
     def fetch(self, tokens, b: int, pages: dict, state_slot: int | None = None, salt=None,
               start: int = 0, keys: list[str] | None = None) -> "Fetched | None":
@@ -269,7 +269,10 @@ class L3Store(Writing):
         tokens[:b], when the caller has them."""
         return self._reading(self._fetch, tokens, b, pages, state_slot, salt, start, keys)
 
-    def _fetch(self, tokens, b, pages, state_slot, salt, start, keys):
+    def _fetch(self, tokens, b, pages, state_slot, salt, start, keys, later: bool = False):
+        """`later`: a windowed component's pages past the end of `pages[name]` are not
+        taken yet (a request takes the window only once it knows where it resumes): -1
+        in the plan until `bind` gives them the request's handles."""
         if b % self.P or start % self.P:
             raise ValueError(f"boundary {b} and start {start} must be page-aligned ({self.P})")
         self._count("loads")
@@ -285,8 +288,10 @@ class L3Store(Writing):
             pool = self.cache.pools[c.index]
             lo = max(c.window_start(b), start) // self.P
             hs = list(pages[c.name][lo:b // self.P])
-            if len(hs) != b // self.P - lo or min(hs, default=0) < 0:
+            missing = b // self.P - lo - len(hs)
+            if min(hs, default=0) < 0 or missing and not (later and c.window is not None):
                 raise ValueError(f"{c.name}: need handles for pages [{lo}, {b // self.P})")
+            hs += [-1] * missing  # pages a request takes once it knows where it resumes: see bind
             if not hs:
                 continue  # nothing of it to read at b (a window of one token reads none)
             page_ks = keys[lo:]
@@ -349,6 +354,20 @@ class L3Store(Writing):
             except Exception as err:  # a store that refuses the delete keeps a bad object: a miss each time
                 self._count("errors")
                 self._warn.failure("failed deletes", "could not delete unusable object %s: %s", k[:16], err)
+
+    def bind(self, got: "Fetched", pages: dict) -> None:
+        """Give the windowed pages a prefetch read before they were taken (-1 in its plan)
+        the request's handles, `pages[name]` now holding the window before `got.b`. A
+        sidecar's rows share their pool entry's list, so they follow."""
+        P = self.P
+        for target, hs, _, sidecar in got.plan:
+            if sidecar or min(hs, default=0) >= 0:
+                continue
+            c = next(c for c in self.comps if self.cache.pools[c.index] is target)
+            own = list(pages[c.name][got.b // P - len(hs):got.b // P])
+            if len(own) != len(hs) or min(own) < 0:
+                raise ValueError(f"{c.name}: need handles for the {len(hs)} pages before {got.b}")
+            hs[:] = own
 
     def apply(self, got: "Fetched") -> None:
         """Write fetched data into the pools (on the thread that owns them)."""

@@ -27,7 +27,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from ..engine.flags import engine_from_args, threads_from_args
+    from ..engine.flags import engine_from_args, pools_line, threads_from_args
     from ..config import from_args
     from ..redact import redact
     from .connections import connection_budget
@@ -42,6 +42,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         threads = threads_from_args(a)  # before the model loads: it computes too
         logging.getLogger("uniradix.server").info("%s", threads)
         engine = engine_from_args(a)
+        logging.getLogger("uniradix.server").info("%s", pools_line(engine))
     except (ValueError, OSError, ImportError, RuntimeError) as e:
         print(f"uniradix serve: {redact(e)}", file=sys.stderr)
         return 2

@@ -27,13 +27,36 @@ class StateSpec:
 
     def pool_size(self, cache, max_running: int, page_size: int) -> tuple[int, tuple, str, str]:
         """(handles, flags that size it, what it is in a message, its unit) from the
-        cache settings (a config.CacheConfig)."""
+        cache settings: a config.CacheConfig, or the PoolSizing that engine.build passes
+        (its settings, the workload the pools carry, the FULL pool's pages)."""
         raise NotImplementedError
 
     @property
     def l3_suffix(self) -> str | None:
         """What this state's objects add to a page key in L3 (None: the page key itself)."""
         return None if self.structural else self.name
+
+
+@dataclass(frozen=True)
+class PoolSizing:
+    """What a spec sizes its pool from: the cache settings (`cache`, a
+    config.CacheConfig: every setting is read through, `max_total_tokens` included) and
+    the workload the pools must carry: `chunk` prefill tokens a step
+    (--chunked-prefill-size, the whole batch's), requests of up to `context_length`
+    tokens (None: not known), and `full_pages`, the FULL pool's pages once the KV budget
+    is split (engine.build.plan_pools: FULL takes what the other KV pools leave of it).
+    `swa_full_tokens_ratio` is the one in force: None (derived) unless given."""
+
+    cache: object
+    full_pages: int
+    chunk: int
+    context_length: int | None
+    swa_full_tokens_ratio: float | None
+
+    def __getattr__(self, name):
+        if name == "cache":  # not set yet (a copy being made): no recursion
+            raise AttributeError(name)
+        return getattr(self.cache, name)
 
 
 @dataclass(frozen=True)

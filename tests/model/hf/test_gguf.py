@@ -309,8 +309,14 @@ def test_a_quantized_file_serves_with_quantized_linears(tiny, quantization):
     from uniradix.engine import Engine
     from uniradix.model.hf import load_checkpoint
     from uniradix.model.hf.quant import is_quantized
+    from uniradix.model import kernels
     model = load_checkpoint(tiny["quant"], torch.bfloat16, quantization)
-    if quantization == "stored":  # F16 embedding (and tied head): dense; Q8_0 / Q5_0: int8; Q4_0: int4
+    if quantization == "stored" and kernels.available():  # read as the file stores them; F16 embedding: dense
+        kinds = {name.split(".")[-2]: w.kind for name, w in model.weights.items()
+                 if name.startswith("model.layers.") and isinstance(w, kernels.PackedQuant)}
+        assert set(kinds) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}, kinds
+        assert kinds["down_proj"] == "Q4_0" and {kinds["q_proj"], kinds["up_proj"]} <= {"Q8_0", "Q5_0"}, kinds
+    elif quantization == "stored":  # F16 embedding (and tied head): dense; Q8_0 / Q5_0: int8; Q4_0: int4
         assert not is_quantized(model.lm_head)
         schemes = {name.split(".")[-2]: getattr(w, "scheme", "dense") for name, w in model.weights.items()
                    if name.startswith("model.layers.") and name.endswith("proj.weight")}
@@ -327,6 +333,35 @@ def test_a_quantized_file_serves_with_quantized_linears(tiny, quantization):
     assert b.metrics.cached_tokens > 0
     for r in (a, b):
         check_close(eng, r, model.reference, 0.1)
+    eng.close()
+
+
+@pytest.mark.skipif(not __import__("uniradix.model.kernels", fromlist=["x"]).available(),
+                    reason="the row-invariant kernels are not built here")
+def test_stored_blocks_serve_exactly_near_the_float32_model(tiny):
+    """`--quantization stored` on the kernels reads each quantized tensor in its blocks
+    (no float copy) and multiplies with 8-bit activations, as llama.cpp: near the float32
+    model that dequantized the file, and exact inside its own precision through the
+    engine's paged forward, chunked and with reuse."""
+    from engine_checks import check_exact, greedy
+    from uniradix.engine import Engine
+    from uniradix.model import kernels
+    from uniradix.model.hf import load_checkpoint
+    stored = load_checkpoint(tiny["quant"], torch.float32, "stored")
+    dense = load_checkpoint(tiny["quant"], torch.float32)
+    packed = [w for w in stored.weights.values() if isinstance(w, kernels.PackedQuant)]
+    assert packed and sum(w.nbytes() for w in packed) < sum(w.out_features * w.in_features * 4 for w in packed) / 2.5
+    ids = list(range(3, 40))
+    a, b = stored.reference(ids), dense.reference(ids)
+    assert (a - b).abs().max() < 0.1 * b.abs().max()
+    eng = Engine(stored, page_size=4, chunked_prefill_size=8)
+    r1 = greedy(ids[:20], 5)
+    eng.run([r1])
+    check_exact(eng, r1)
+    r2 = greedy(r1.input_ids + r1.output_ids + [30, 31], 5)
+    eng.run([r2])
+    check_exact(eng, r2)
+    assert r2.metrics.cached_tokens > 0
     eng.close()
 
 

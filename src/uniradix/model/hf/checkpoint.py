@@ -38,6 +38,9 @@ class Checkpoint:
     #: bits per weight of each tensor as the file stores it, where that is not its dtype's
     #: (a .gguf's quantized types): what `--quantization stored` follows
     stored_bits: dict = field(default_factory=dict)
+    #: a .gguf's quantized tensors as the file stores them: name -> (GGML type name, raw
+    #: blocks (a view of the file's map, rows of the tensor in order), (rows, inputs))
+    stored_blocks: dict = field(default_factory=dict)
 
     @property
     def model_type(self) -> str:

@@ -439,12 +439,16 @@ class HFModel(PagedModel):
         Norms, routers, convolutions and the recurrent layers' parameters stay in the
         model's dtype. "stored": each weight in the scheme nearest the bits the file
         stores it at (quant.stored_scheme: a .gguf's 4-bit types int4, 5- to 8-bit ones
-        int8, float ones dense); the tied head follows the embedding's."""
+        int8, float ones dense); the tied head follows the embedding's. Where the
+        row-invariant kernels run, "stored" reads a .gguf's quantized tensors as the file
+        stores them instead (_read_as_stored): the same bits as the float32 model."""
         check_scheme(scheme)
         if scheme == "none" or scheme == self.quantization:
             return self
         if self.quantization != "none":
             raise ValueError(f"{self.ckpt.path}: already quantized as {self.quantization}")
+        if scheme == "stored" and self.ckpt.stored_blocks and kernels.available():
+            return self._read_as_stored()
         bits = self.ckpt.stored_bits
         if "lm_head.weight" not in self.weights:
             self.weights["lm_head.weight"] = unpack(self.tied_head())
@@ -455,6 +459,37 @@ class HFModel(PagedModel):
             s = stored_scheme(bits.get(name)) if scheme == "stored" else scheme
             self.weights[name] = quantize(unpack(self.weights[name]), s)
         self.quantization = scheme
+        return self
+
+    def _read_as_stored(self) -> "HFModel":
+        """`--quantization stored` on the row-invariant kernels: every linear weight the
+        file quantized, and the embedding, read in its own blocks (kernels.PackedQuant:
+        each weight the float32 value the file's dequantisation gives, ~its bits per
+        weight in memory); a tied head is the embedding's very panels, which the lookup
+        reads too (no dense copy of the table). Products are the float32 model's chains
+        over the same values, so the logits are its, bit for bit, at a quarter to a
+        third of the bytes a step reads. A weight in a format not read here keeps its
+        dense form (gguf_blocks.decode)."""
+        from .gguf_blocks import decode
+        blocks = self.ckpt.stored_blocks
+
+        def as_stored(name):
+            kind, raw, shape = blocks[name]
+            codes = decode(kind, raw, *shape)
+            return None if codes is None else kernels.PackedQuant(codes, kind)
+
+        names = set(self.linear_weights())
+        if self.embed_weight in blocks:
+            names.add(self.embed_weight)
+        for name in sorted(names & set(blocks)):
+            packed = as_stored(name)
+            if packed is not None:
+                self.weights[name] = packed
+        if "lm_head.weight" not in self.weights and isinstance(self.weights.get(self.embed_weight),
+                                                               kernels.PackedQuant):
+            self.weights["lm_head.weight"] = self.weights[self.embed_weight]  # tied: one table
+            self._packed_head = None
+        self.quantization = "stored"
         return self
 
     def w(self, name: str) -> torch.Tensor:

@@ -47,6 +47,8 @@ def dense(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> to
     built: by the row-invariant kernel)."""
     if isinstance(w, kernels.PackedWeight):
         return kernels.linear(x, w, b)
+    if isinstance(w, kernels.PackedQuant):
+        return kernels.linear_q(x, w, b)
     if _kernel_weight(w, x):
         return kernels.linear(x, _packed_on_the_way(w), b)
     if w.layout == torch._mkldnn:
@@ -114,14 +116,14 @@ def packable(w) -> bool:
 
 def unpack(w):
     """A packed weight as the dense tensor it holds; anything else as it is."""
-    if isinstance(w, (kernels.PackedWeight, kernels.PackedExperts)):
+    if isinstance(w, (kernels.PackedWeight, kernels.PackedExperts, kernels.PackedQuant)):
         return w.dense()
     return w.to_dense() if isinstance(w, torch.Tensor) and w.layout == torch._mkldnn else w
 
 
 def is_packed(w) -> bool:
     """Whether W is in a packed form (the kernels' or oneDNN's)."""
-    return isinstance(w, (kernels.PackedWeight, kernels.PackedExperts)) or \
+    return isinstance(w, (kernels.PackedWeight, kernels.PackedExperts, kernels.PackedQuant)) or \
         (isinstance(w, torch.Tensor) and w.layout == torch._mkldnn)
 
 

@@ -45,18 +45,20 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED)}")
     names = [t.name for t in reader.tensors]
     config = _gemma3_config(meta, names)
-    tensors, bits = {}, {}
+    tensors, bits, blocks = {}, {}, {}
     for t in reader.tensors:
         shift = 1.0 if t.name.endswith("norm.weight") else 0.0  # the converter stored 1 + w
         name = _gemma3_name(path, t.name)
         tensors[name] = _tensor(t, dtype, shift)
         bits[name] = _bits_per_weight(t.tensor_type)
+        if not shift and len(t.shape) == 2 and t.tensor_type.name not in ("F32", "F16", "BF16", "F64"):
+            blocks[name] = (t.tensor_type.name, t.data, tuple(int(d) for d in reversed(t.shape)))
     tok = _tokenizer(meta) if meta.get("tokenizer.ggml.tokens") is not None else None
     generation = {k: config[k] for k in ("bos_token_id", "pad_token_id") if config.get(k) is not None}
     eos = _eos_ids(meta, config)
     if eos:
         generation["eos_token_id"] = eos
-    return Checkpoint(path, config, tensors, (path,), generation, tok, stored_bits=bits)
+    return Checkpoint(path, config, tensors, (path,), generation, tok, stored_bits=bits, stored_blocks=blocks)
 
 
 # ---------------------------------------------------------------------------- metadata

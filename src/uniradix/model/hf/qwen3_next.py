@@ -80,7 +80,6 @@ class Qwen3Next(HFModel):
         self.conv_kernel = c["linear_conv_kernel_dim"]
         self.key_dim, self.value_dim = self.k_heads * self.dk, self.v_heads * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.embed_w = self.w("model.embed_tokens.weight")
         self.top_k = c.get("num_experts_per_tok")
         # Qwen3.5-MoE's router always renormalises its top-k (its class has no norm_topk_prob)
         self.norm_topk = c.get("norm_topk_prob", True) if self.name == "qwen3_next" else True
@@ -134,7 +133,7 @@ class Qwen3Next(HFModel):
 
     # ------------------------------------------------------------------ forward
     def embed(self, ids):
-        return self.embed_w[ids]
+        return self.w("model.embed_tokens.weight")[ids]
 
     def head(self, x):
         return linear(rms_norm(x, self.w("model.norm.weight"), self.eps, 1.0, dtype=self.dtype), self.tied_head())

@@ -24,6 +24,8 @@ log = logging.getLogger("uniradix.kernels")
 
 #: panel width of a packed weight (kernels.c's NR)
 NR = 16
+#: rows a quantized weight's panel interleaves, block by block (kernels.c's PW)
+PW = 4
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: elementwise operations (kernels.c's EW_*)
 OPS = {"exp": 0, "sigmoid": 1, "silu": 2, "softplus": 3, "gelu_tanh": 4, "tanh": 5}
@@ -38,6 +40,10 @@ _SIGNATURES = {
     "ur_attention": [_p, _i64, _i64, _i64, _p, _p, _int, _i64, _p, _p, _p, _f32, _p, _p, _int],
     "ur_delta_rule": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
     "ur_ssm_scan": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
+    "ur_linear_q": [_p, _i64, _i64, _i64, _p, _p, _p, _int, _i64, _i64, _p, _p, _i64, _int],
+    "ur_rows_q": [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p],
+    "ur_rows": [_p, _int, _i64, _p, _i64, _p],
+    "ur_rms_norm": [_p, _p, _i64, _i64, _p, _f32, _int],
 }
 
 
@@ -155,8 +161,130 @@ class PackedWeight:
     def nbytes(self) -> int:
         return self.panels.numel() * self.panels.element_size()
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W as float32 [n, in]: a lookup (an embedding tied to this head)
+        reading the panels."""
+        return _rows(lambda i, n, out: lib().ur_rows(self.panels.data_ptr(), _DTYPES[self.dtype], self.in_features,
+                                                     i, n, out), ids, self.in_features)
+
     def __repr__(self) -> str:
         return f"PackedWeight({self.out_features}x{self.in_features}, {self.dtype})"
+
+
+def _rows(call, ids: torch.Tensor, K: int) -> torch.Tensor:
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(flat.numel(), K, dtype=torch.float32)
+    call(flat.data_ptr(), flat.numel(), out.data_ptr())
+    return out.view(*ids.shape, K)
+
+
+class PackedQuant:
+    """W [out, in] as a GGUF file stores it (model/hf/gguf_blocks.Codes: codes u, per-group
+    scales a and offsets b, w = a (u - off) + b), row by row in blocks of 32 inputs at
+    about the file's bits per weight (kernels.c, ur_linear_q), with float32 a and
+    c = b - a off per group: `linear_q` multiplies it the way llama.cpp does (activations
+    rounded to 8 bits per block of 32, integer dot products), and a lookup (`rows`) gives
+    the file's own dequantised float32 values. `dtype` is float32 (what it stands for)."""
+
+    __slots__ = ("codes", "a", "c", "out_features", "in_features", "bits", "group", "kind")
+
+    dtype = torch.float32
+
+    def __init__(self, codes, kind: str = "") -> None:
+        u = torch.as_tensor(codes.u)
+        a = torch.as_tensor(codes.a, dtype=torch.float32)
+        b = None if codes.b is None else torch.as_tensor(codes.b, dtype=torch.float32)
+        N, K = u.shape
+        G, bits = codes.group, codes.bits
+        if K % 32 or K % G or 32 % G or bits not in (4, 5, 6, 8):
+            raise ValueError(f"cannot pack {N}x{K} codes of {bits} bits in groups of {G}")
+        self.out_features, self.in_features = N, K
+        if codes.off:  # a * off is exact (a small power of two times a float16 product)
+            off = a * float(codes.off)
+            b = -off if b is None else b - off
+        self.bits, self.group, self.kind = bits, G, kind
+        pad = -N % PW  # rows of zeros (a = 0) to fill the last panel
+        if pad:
+            u = torch.cat([u, u.new_zeros(pad, K)])
+            a = torch.cat([a, a.new_zeros(pad, K // G)])
+            b = None if b is None else torch.cat([b, b.new_zeros(pad, K // G)])
+
+        def panels(t):  # [rows, per] -> [panels, per, PW]: the panel's rows side by side
+            return t.view(-1, PW, t.shape[1], *t.shape[2:]).transpose(1, 2).contiguous()
+        self.a, self.c = panels(a), None if b is None else panels(b)
+        blocks = u.view(-1, K // 32, 32)
+        if bits in (6, 8):
+            packed = blocks.contiguous().view(torch.uint8)
+        else:
+            c = blocks.to(torch.int32)
+            planes = [((c[..., :16] & 0x0F) | ((c[..., 16:] & 0x0F) << 4)).to(torch.uint8)]
+            if bits == 5:  # a 32-bit word: bit i is input i's fifth bit
+                word = (((c >> 4) & 1).to(torch.int64) << torch.arange(32, dtype=torch.int64)).sum(-1)
+                planes.append(((word[..., None] >> (torch.arange(4, dtype=torch.int64) * 8)) & 0xFF).to(torch.uint8))
+            packed = torch.cat(planes, dim=-1)
+        self.codes = panels(packed)   # [panels, blocks, PW, block bytes]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def dim(self) -> int:
+        return 2
+
+    def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
+        """W[ids]: an embedding lookup reading the blocks (float32)."""
+        return self.rows(torch.as_tensor(ids))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W as float32 [n, in] (each the file's dequantised values)."""
+        return _rows(lambda i, n, out: lib().ur_rows_q(self.codes.data_ptr(), self.a.data_ptr(), _ptr(self.c),
+                                                       self.bits, self.group, self.in_features, i, n, out),
+                     ids, self.in_features)
+
+    def dense(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features))
+
+    def tensors(self) -> dict:
+        """What the weights' witness and fingerprint read: the packed form itself (its
+        codes and scales are what the forward computes with)."""
+        out = {"codes": self.codes, "a": self.a, "layout": torch.tensor([self.bits, self.group], dtype=torch.int64)}
+        if self.c is not None:
+            out["c"] = self.c
+        return out
+
+    def to(self, device):
+        return self if torch.device(device).type == "cpu" else self.dense().to(device)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.a, self.c) if t is not None)
+
+    def __repr__(self) -> str:
+        return f"PackedQuant({self.out_features}x{self.in_features}, {self.kind or f'{self.bits}-bit'})"
+
+
+def linear_q(x: torch.Tensor, w: PackedQuant, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ W^T (+ b) over a PackedQuant, rounded once to x's dtype: each row's
+    activations rounded to 8 bits per block of 32 and multiplied in integers by the
+    codes, the scales applied in float32 (ur_linear_q): a row's values whatever rows come
+    with it, within that rounding of the float32 product."""
+    K, N = w.in_features, w.out_features
+    if x.shape[-1] != K:
+        raise ValueError(f"linear: input has {x.shape[-1]} features, the weight takes {K}")
+    flat = x.dim() == 2
+    x2 = x if flat else x.reshape(-1, K)
+    xf = x2 if x2.dtype is torch.float32 and x2.is_contiguous() else x2.float().contiguous()
+    if b is not None and (b.dtype is not torch.float32 or not b.is_contiguous()):
+        b = b.float().contiguous()
+    y = torch.empty((xf.shape[0], N), dtype=torch.float32)
+    lib().ur_linear_q(xf.data_ptr(), xf.shape[0], K, K, w.codes.data_ptr(), w.a.data_ptr(), _ptr(w.c), w.bits,
+                      w.group, N, None if b is None else b.data_ptr(), y.data_ptr(), N, torch.get_num_threads())
+    if x.dtype is not torch.float32:
+        y = y.to(x.dtype)
+    return y if flat else y.view(*x.shape[:-1], N)
 
 
 class PackedExperts:
@@ -230,6 +358,24 @@ def elementwise(op: str, x: torch.Tensor, param: float = 0.0) -> torch.Tensor:
             y = torch.empty_like(xf)
     lib().ur_elementwise(OPS[op], xf.data_ptr(), y.data_ptr(), xf.numel(), float(param), torch.get_num_threads())
     return y if x.dtype is torch.float32 else y.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * w over the last dimension, in float32 (w float32 or
+    None), each row's sum in one fixed order (kernels.c, ur_rms_norm): one call where
+    torch's composite takes several."""
+    n = x.shape[-1]
+    if x.dtype is torch.float32 and x.is_contiguous():
+        xf, y = x, torch.empty_like(x)
+    else:
+        xf = y = x.float().contiguous()
+        if xf.data_ptr() == x.data_ptr():
+            y = torch.empty_like(xf)
+    if w is not None and (w.dtype is not torch.float32 or not w.is_contiguous() or w.numel() != n):
+        raise ValueError(f"rms_norm: the scale must be {n} contiguous float32 values")
+    lib().ur_rms_norm(xf.data_ptr(), y.data_ptr(), xf.numel() // n if n else 0, n, _ptr(w), float(eps),
+                      torch.get_num_threads())
+    return y
 
 
 # ---------------------------------------------------------------------------- attention
@@ -309,5 +455,5 @@ def ssm_scan(x, dt, A, Bm, C, state) -> tuple[torch.Tensor, torch.Tensor]:
     return y, S
 
 
-__all__ = ["NR", "OPS", "BlockTable", "off", "PackedWeight", "PackedExperts", "available", "describe", "linear", "elementwise", "attention", "delta_rule",
+__all__ = ["NR", "OPS", "BlockTable", "off", "PackedWeight", "PackedExperts", "PackedQuant", "linear_q", "rms_norm", "available", "describe", "linear", "elementwise", "attention", "delta_rule",
            "ssm_scan", "lib"]

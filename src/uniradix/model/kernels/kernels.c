@@ -296,6 +296,255 @@ void ur_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wp
     }
 }
 
+/* ------------------------------------------------------------------------ quantized products */
+
+/* Weights as a GGUF file stores them (kernels.PackedQuant), multiplied as llama.cpp
+   does: the activations rounded to 8 bits per block of 32, integer dot products with the
+   codes, the scales applied in float32.
+
+   Layout, row by row: a row's codes in blocks of 32 inputs (`bits` 8: 32 signed bytes;
+   4: 16 bytes, input i in the low nibble of byte i and input i + 16 in its high one;
+   5: those 16 bytes, then a 32-bit word whose bit i is input i's fifth bit; 6: 32
+   unsigned bytes), and apart, per group of G inputs (32, or 16 for Q6_K), a scale a and,
+   where the format has one, c: the weight is w = a * u + c (gguf_blocks: c = b - a off).
+
+   A row x of the activations is quantised once per call, per block b of 32: d_b =
+   max|x| / 127, q_i = nearest(x_i * 127 / max|x|), and per group the sum of its q. Then
+   y = sum over blocks of float(the block's integer dots, 8 lanes) * a_g d_b, lane by
+   lane in block order, the 8 lanes summed in a fixed tree, plus sum_g c_g d_b sum(q)_g
+   in group order. Every step depends on this row and this weight row alone: the same
+   bits in a decode step, a prefill chunk of any size and any thread count. */
+#define PW 4   /* rows a panel interleaves, block by block (kernels.PackedQuant packs it); a tile takes them all: independent chains */
+static inline int64_t qblock_bytes(int bits) { return bits == 4 ? 16 : bits == 5 ? 20 : 32; }
+
+/* x [K] -> q [K] int8, d [K / 32] per block, s [K / G] the group sums of q times d. */
+static void quantize_row(const float *x, int64_t K, int64_t G, int8_t *q, float *d, float *s) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float *xb = x + b * 32;
+        float amax = 0.0f;
+        for (int i = 0; i < 32; i++) {
+            float v = fabsf(xb[i]);
+            amax = v > amax ? v : amax;
+        }
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        for (int i = 0; i < 32; i++) {
+            float r = nearbyintf(xb[i] * inv);
+            r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+            q[b * 32 + i] = (int8_t)r;
+        }
+    }
+    for (int64_t g = 0; g < K / G; g++) {
+        int sum = 0;
+        for (int64_t i = 0; i < G; i++) sum += q[g * G + i];
+        s[g] = (float)sum * d[(g * G) / 32];
+    }
+}
+
+#if defined(UR_AVX2) || defined(UR_AVX512)
+/* A block's 32 codes as bytes (unsigned, or signed for bits 8). */
+static inline __m256i qcodes(const uint8_t *p, const int bits) {
+    if (bits == 8 || bits == 6) return _mm256_loadu_si256((const __m256i *)p);
+    const __m128i v = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);
+    __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+    if (bits == 5) {
+        uint32_t h;
+        memcpy(&h, p + 16, 4);
+        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        __m256i hb = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)h), spread), bit);
+        hb = _mm256_and_si256(_mm256_cmpeq_epi8(hb, bit), _mm256_set1_epi8(0x10));
+        u = _mm256_or_si256(u, hb);
+    }
+    return u;
+}
+
+/* The block's 8 lanes of integer dots of codes u with activations q (32 int8). */
+static inline __m256 qdot(__m256i u, __m256i q, const int bits) {
+    __m256i p;
+    if (bits == 8) p = _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u));
+    else p = _mm256_maddubs_epi16(u, q);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#define QROWS 2   /* activation rows a tile takes */
+/* Rows [0, mr) of the quantised activations against weight rows [n0, n0 + nw); each
+   output's operations are the same whatever mr and nw are. */
+static inline __attribute__((always_inline)) void qtile(
+        const int mr, const int nw, const int8_t *q, const float *d, const float *s, int64_t K,
+        const uint8_t *codes, int64_t rb, const float *a, const float *c, int bits, int64_t G,
+        const float *bias, int64_t n0, float *y, int64_t ldy) {
+    const int64_t nb = K / 32, ng = K / G, bb = qblock_bytes(bits);
+    __m256 acc[QROWS][PW];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < nw; j++) acc[r][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i u[PW];
+        for (int j = 0; j < nw; j++) u[j] = qcodes(codes + (b * PW + j) * bb, bits);
+        for (int r = 0; r < mr; r++) {
+            const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + r * K + b * 32));
+            const float db = d[r * nb + b];
+            for (int j = 0; j < nw; j++) {
+                const __m256 f = qdot(u[j], qv, bits);
+                __m256 scale;
+                if (G == 32) scale = _mm256_set1_ps(a[b * PW + j] * db);
+                else scale = _mm256_set_m128(_mm_set1_ps(a[(2 * b + 1) * PW + j] * db), _mm_set1_ps(a[2 * b * PW + j] * db));
+                acc[r][j] = _mm256_fmadd_ps(f, scale, acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        float v[PW], cs[PW];
+        for (int j = 0; j < nw; j++) { v[j] = hsum8(acc[r][j]); cs[j] = 0.0f; }
+        if (c) {
+            const float *sr = s + r * ng;
+            for (int64_t g = 0; g < ng; g++)
+                for (int j = 0; j < nw; j++) cs[j] = fmaf(c[g * PW + j], sr[g], cs[j]);
+            for (int j = 0; j < nw; j++) v[j] += cs[j];
+        }
+        for (int j = 0; j < nw; j++) {
+            if (bias) v[j] += bias[n0 + j];
+            y[r * ldy + n0 + j] = v[j];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void qrows_bg(
+        const int bits, const int64_t G, int mr, int nw, const int8_t *q, const float *d, const float *s, int64_t K,
+        const uint8_t *codes, int64_t rb, const float *a, const float *c, const float *bias, int64_t n0, float *y,
+        int64_t ldy) {
+#define Q(R, W) qtile(R, W, q, d, s, K, codes, rb, a, c, bits, G, bias, n0, y, ldy)
+    if (mr == 2) {
+        switch (nw) { case 4: Q(2, 4); return; case 3: Q(2, 3); return; case 2: Q(2, 2); return; default: Q(2, 1); return; }
+    }
+    switch (nw) { case 4: Q(1, 4); return; case 3: Q(1, 3); return; case 2: Q(1, 2); return; default: Q(1, 1); return; }
+#undef Q
+}
+
+/* One specialisation per format (bits, group), so that the inner loop has no branch. */
+static void qrows(int mr, int nw, const int8_t *q, const float *d, const float *s, int64_t K, const uint8_t *codes,
+                  int64_t rb, const float *a, const float *c, int bits, int64_t G, const float *bias, int64_t n0,
+                  float *y, int64_t ldy) {
+#define B(BITS, GG) qrows_bg(BITS, GG, mr, nw, q, d, s, K, codes, rb, a, c, bias, n0, y, ldy)
+    if (G == 16) { B(6, 16); return; }
+    switch (bits) { case 8: B(8, 32); return; case 4: B(4, 32); return; case 5: B(5, 32); return; default: B(6, 32); return; }
+#undef B
+}
+
+#else
+#define QROWS 1
+static inline int qcode(const uint8_t *p, int bits, int i) {
+    if (bits == 8) return (int8_t)p[i];
+    if (bits == 6) return p[i];
+    int u = i < 16 ? (p[i] & 0x0F) : (p[i - 16] >> 4);
+    if (bits == 5) { uint32_t h; memcpy(&h, p + 16, 4); u |= (int)((h >> i) & 1) << 4; }
+    return u;
+}
+
+static void qrows(int mr, int nw, const int8_t *q, const float *d, const float *s, int64_t K,
+                  const uint8_t *codes, int64_t rb, const float *a, const float *c, int bits, int64_t G,
+                  const float *bias, int64_t n0, float *y, int64_t ldy) {
+    const int64_t nb = K / 32, bb = qblock_bytes(bits);
+    (void)mr; (void)rb; (void)ldy;
+    for (int j = 0; j < nw; j++) {
+        float acc[8] = {0};
+        for (int64_t b = 0; b < nb; b++) {
+            const float db = d[b];
+            const uint8_t *p = codes + (b * PW + j) * bb;
+            for (int l = 0; l < 8; l++) {
+                int dot = 0;
+                for (int i = 4 * l; i < 4 * l + 4; i++) dot += qcode(p, bits, i) * q[b * 32 + i];
+                const float sc = G == 32 ? a[b * PW + j] * db : a[(2 * b + (l >= 4)) * PW + j] * db;
+                acc[l] = fmaf((float)dot, sc, acc[l]);
+            }
+        }
+        float lo[4], v;
+        for (int l = 0; l < 4; l++) lo[l] = acc[l] + acc[l + 4];
+        lo[0] = lo[0] + lo[2]; lo[1] = lo[1] + lo[3];
+        v = lo[0] + lo[1];
+        if (c) {
+            float cs = 0.0f;
+            for (int64_t g = 0; g < K / G; g++) cs = fmaf(c[g * PW + j], s[g], cs);
+            v += cs;
+        }
+        if (bias) v += bias[n0 + j];
+        y[n0 + j] = v;
+    }
+}
+#endif
+
+/* y [M, N] = x [M, K] @ W^T (+ bias) over W as stored (above): codes [N, K / 32 blocks],
+   a and c [N, K / G] (c NULL: none). K a multiple of 32 and of G. */
+void ur_linear_q(const float *x, int64_t M, int64_t K, int64_t ldx, const void *codes, const float *a,
+                 const float *c, int bits, int64_t G, int64_t N, const float *bias, float *y, int64_t ldy, int nt) {
+    if (M <= 0 || N <= 0) return;
+    const int64_t nb = K / 32, ng = K / G, rb = nb * qblock_bytes(bits);
+    int8_t *q = malloc((size_t)(M * K + 32));
+    float *d = malloc(sizeof(float) * (size_t)(M * nb));
+    float *s = malloc(sizeof(float) * (size_t)(M * ng));
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, G, q + m * K, d + m * nb, s + m * ng);
+    const int64_t NC = 64;
+    const int64_t chunks = (N + NC - 1) / NC;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && chunks > 1)
+    for (int64_t ch = 0; ch < chunks; ch++) {
+        const int64_t n1 = (ch + 1) * NC < N ? (ch + 1) * NC : N;
+        for (int64_t m = 0; m < M; m += QROWS) {
+            const int mr = M - m >= QROWS ? QROWS : (int)(M - m);
+            for (int64_t n = ch * NC; n < n1; n += PW) {
+                const int nw = n1 - n >= PW ? PW : (int)(n1 - n);
+                qrows(mr, nw, q + m * K, d + m * nb, s + m * ng, K, (const uint8_t *)codes + n * rb, rb,
+                      a + n * ng, c ? c + n * ng : NULL, bits, G, bias, n, y + m * ldy, ldy);  /* n: a panel's first row */
+            }
+        }
+    }
+    free(q); free(d); free(s);
+}
+
+/* Rows `ids` of a weight as stored, as float32 [n, K]: each weight fma(a, u, c) (a * u
+   without c), the value the file's dequantisation gives (an embedding lookup reading
+   the table the head multiplies by). */
+void ur_rows_q(const void *codes, const float *a, const float *c, int bits, int64_t G, int64_t K,
+               const int64_t *ids, int64_t n, float *out) {
+    const int64_t nb = K / 32, ng = K / G, bb = qblock_bytes(bits);
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t panel = ids[i] / PW, j0 = ids[i] % PW;
+        const uint8_t *pc = (const uint8_t *)codes + panel * PW * nb * bb;
+        const float *pa = a + panel * PW * ng, *pcs = c ? c + panel * PW * ng : NULL;
+        for (int64_t k = 0; k < K; k++) {
+            const uint8_t *p = pc + ((k / 32) * PW + j0) * bb;
+            const int j = (int)(k % 32);
+            int u;
+            if (bits == 8) u = (int8_t)p[j];
+            else if (bits == 6) u = p[j];
+            else {
+                u = j < 16 ? (p[j] & 0x0F) : (p[j - 16] >> 4);
+                if (bits == 5) { uint32_t h; memcpy(&h, p + 16, 4); u |= (int)((h >> j) & 1) << 4; }
+            }
+            const int64_t at = (k / G) * PW + j0;
+            out[i * K + k] = pcs ? fmaf(pa[at], (float)u, pcs[at]) : pa[at] * (float)u;
+        }
+    }
+}
+
+
+/* Rows `ids` of a weight in float panels (kernels.PackedWeight), as float32 [n, K]. */
+void ur_rows(const void *wp, int dt, int64_t K, const int64_t *ids, int64_t n, float *out) {
+    const int64_t es = elem_size(dt);
+    for (int64_t i = 0; i < n; i++) {
+        const char *panel = (const char *)wp + (ids[i] / NR) * K * NR * es;
+        const int64_t lane = ids[i] % NR;
+        for (int64_t k = 0; k < K; k++) out[i * K + k] = load_elem(panel, dt, k * NR + lane);
+    }
+}
+
 /* ------------------------------------------------------------------------ elementwise */
 
 /* e^x from IEEE operations only: x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' expf
@@ -385,6 +634,26 @@ static inline float f_gelu_tanh(float x, float p) {
 }
 static inline float f_tanh(float x, float p) { (void)p; return ur_tanhf(x); }
 
+/* RMSNorm of `rows` rows of n float32: y = x / sqrt(mean(x^2) + eps) * w (w NULL: 1).
+   Each row's sum of squares in one order: eight chains of fused multiply-adds over
+   i = l (mod 8), summed pairwise, then the tail in order; y may be x. */
+void ur_rms_norm(const float *x, float *y, int64_t rows, int64_t n, const float *w, float eps, int nt) {
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && rows * n > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n;
+        float acc[8] = {0};
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int l = 0; l < 8; l++) acc[l] = fmaf(xr[i + l], xr[i + l], acc[l]);
+        float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+        for (; i < n; i++) ss = fmaf(xr[i], xr[i], ss);
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        if (w) for (int64_t j = 0; j < n; j++) yr[j] = xr[j] * inv * w[j];
+        else for (int64_t j = 0; j < n; j++) yr[j] = xr[j] * inv;
+    }
+}
+
 enum { EW_EXP = 0, EW_SIGMOID, EW_SILU, EW_SOFTPLUS, EW_GELU_TANH, EW_TANH };
 
 /* y[i] = f(x[i]) for n contiguous float32 elements (y may be x). */
@@ -439,7 +708,8 @@ static inline float lanes_sum(v8 acc) {
     return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
 }
 
-#define MAXQ 8
+#define MAXQ 8     /* queries dots() takes at once (its chains in registers) */
+#define QBLOCK 64  /* queries a block of rows takes: the keys read once for all of them */
 
 static inline void dots(const float *const *a, int nq, const void *b, int dt, int64_t d, float *out) {
     v8 acc[MAXQ];
@@ -458,11 +728,15 @@ static inline void dots(const float *const *a, int nq, const void *b, int dt, in
 }
 
 /* One block of rows against KV head kh (ur_attention's body; dt a constant here, so the
-   inner loops have no branch). */
+   inner loops have no branch). The keys go by in tiles of KTILE: each tile's keys and
+   values are read from memory once for all the block's queries (up to QBLOCK of them),
+   and each query's chains carry on from one tile to the next exactly as they would over
+   all its keys at once (an output chain is kept in `acc` between tiles). */
+#define KTILE 64
 static inline __attribute__((always_inline)) void attend_block(
     const float *q, int64_t H, int64_t d, const void *kpool, const void *vpool, const int dt, int64_t G,
     const int64_t *slots, const int64_t *first, const int64_t *count, float scale, const float *sinks, float *out,
-    int64_t r0, int64_t r1, int64_t kh, float *sc, int64_t widest) {
+    int64_t r0, int64_t r1, int64_t kh, float *sc, int64_t widest, float *acc) {
     const int64_t es = elem_size(dt), slot_bytes = (H / G) * d * es;
     int64_t lo = first[r0], hi = first[r0] + count[r0];
     for (int64_t r = r0 + 1; r < r1; r++) {
@@ -472,9 +746,9 @@ static inline __attribute__((always_inline)) void attend_block(
     const int64_t n = hi - lo;
     /* the block's queries: its rows x the heads of KV head kh */
     const int nq = (int)((r1 - r0) * G);
-    const float *qp[MAXQ];
-    int64_t qa[MAXQ], qb[MAXQ], qh[MAXQ], qr[MAXQ];
-    float inv[MAXQ];
+    const float *qp[QBLOCK];
+    int64_t qa[QBLOCK], qb[QBLOCK], qh[QBLOCK], qr[QBLOCK];
+    float inv[QBLOCK];
     for (int qi = 0; qi < nq; qi++) {
         qr[qi] = r0 + qi / G;
         qh[qi] = kh * G + qi % G;
@@ -485,9 +759,15 @@ static inline __attribute__((always_inline)) void attend_block(
     const char *kb = (const char *)kpool + kh * d * es, *vb = (const char *)vpool + kh * d * es;
     const int64_t *sl = slots + lo;
     float tmp[MAXQ];
-    for (int64_t j = 0; j < n; j++) {
-        dots(qp, nq, kb + sl[j] * slot_bytes, dt, d, tmp);
-        for (int qi = 0; qi < nq; qi++) sc[qi * widest + j] = tmp[qi] * scale;
+    for (int64_t t0 = 0; t0 < n; t0 += KTILE) {
+        const int64_t t1 = t0 + KTILE < n ? t0 + KTILE : n;
+        for (int g0 = 0; g0 < nq; g0 += MAXQ) {
+            const int gn = nq - g0 < MAXQ ? nq - g0 : MAXQ;
+            for (int64_t j = t0; j < t1; j++) {
+                dots(qp + g0, gn, kb + sl[j] * slot_bytes, dt, d, tmp);
+                for (int qi = 0; qi < gn; qi++) sc[(g0 + qi) * widest + j] = tmp[qi] * scale;
+            }
+        }
     }
     for (int qi = 0; qi < nq; qi++) {
         float *s = sc + qi * widest, mx = -INFINITY;
@@ -503,7 +783,9 @@ static inline __attribute__((always_inline)) void attend_block(
         if (sinks) l += ur_expf(sink - mx);
         inv[qi] = 1.0f / l;
     }
-    /* out = P V: NR columns at a time, up to 4 queries at a time */
+    /* out = P V: a tile of keys at a time; in it NR columns at a time, up to 4 queries at
+       a time, over the keys the 4 see (their chains start at the first of those keys) */
+    int64_t ja4[QBLOCK / 4 + 1], jb4[QBLOCK / 4 + 1];
     for (int q0 = 0; q0 < nq; q0 += 4) {
         const int qn = nq - q0 < 4 ? nq - q0 : 4;
         int64_t ja = qa[q0], jb = qb[q0];
@@ -511,35 +793,45 @@ static inline __attribute__((always_inline)) void attend_block(
             ja = qa[qi] < ja ? qa[qi] : ja;
             jb = qb[qi] > jb ? qb[qi] : jb;
         }
-        for (int64_t c0 = 0; c0 < d; c0 += NR) {
-            const int nc = d - c0 >= NR ? NR : (int)(d - c0);
-            if (nc == NR) {
-                wvec acc[4];
-                for (int qi = 0; qi < qn; qi++) acc[qi] = WV_ZERO();
-                for (int64_t j = ja; j < jb; j++) {
-                    wvec v = wload(vb + sl[j] * slot_bytes + c0 * es, dt);
-                    for (int qi = 0; qi < qn; qi++)
-                        acc[qi] = WV_FMA(sc[(q0 + qi) * widest + j], v, acc[qi]);
-                }
-                for (int qi = 0; qi < qn; qi++) {
-                    float t[NR];
-                    wstore(t, acc[qi], NR);
-                    float *o = out + (qr[q0 + qi] * H + qh[q0 + qi]) * d + c0;
-                    for (int c = 0; c < NR; c++) o[c] = t[c] * inv[q0 + qi];
-                }
-            } else {
-                for (int qi = 0; qi < qn; qi++) {
-                    float *o = out + (qr[q0 + qi] * H + qh[q0 + qi]) * d + c0;
-                    for (int c = 0; c < nc; c++) {
-                        float a = 0.0f;
-                        for (int64_t j = ja; j < jb; j++)
-                            a = fmaf(sc[(q0 + qi) * widest + j], load_elem(vb + sl[j] * slot_bytes, dt,
-                                                                          c0 + c), a);
-                        o[c] = a * inv[q0 + qi];
+        ja4[q0 / 4] = ja;
+        jb4[q0 / 4] = jb;
+    }
+    for (int qi = 0; qi < nq; qi++)
+        for (int64_t c = 0; c < d; c++) acc[qi * d + c] = 0.0f;
+    for (int64_t t0 = 0; t0 < n; t0 += KTILE) {
+        const int64_t t1 = t0 + KTILE < n ? t0 + KTILE : n;
+        for (int q0 = 0; q0 < nq; q0 += 4) {
+            const int qn = nq - q0 < 4 ? nq - q0 : 4;
+            const int64_t ja = ja4[q0 / 4] > t0 ? ja4[q0 / 4] : t0, jb = jb4[q0 / 4] < t1 ? jb4[q0 / 4] : t1;
+            if (ja >= jb) continue;
+            for (int64_t c0 = 0; c0 < d; c0 += NR) {
+                const int nc = d - c0 >= NR ? NR : (int)(d - c0);
+                if (nc == NR) {
+                    wvec a4[4];
+                    for (int qi = 0; qi < qn; qi++) a4[qi] = wloadf(acc + (q0 + qi) * d + c0, NR);
+                    for (int64_t j = ja; j < jb; j++) {
+                        wvec v = wload(vb + sl[j] * slot_bytes + c0 * es, dt);
+                        for (int qi = 0; qi < qn; qi++)
+                            a4[qi] = WV_FMA(sc[(q0 + qi) * widest + j], v, a4[qi]);
+                    }
+                    for (int qi = 0; qi < qn; qi++) wstore(acc + (q0 + qi) * d + c0, a4[qi], NR);
+                } else {
+                    for (int qi = 0; qi < qn; qi++) {
+                        float *a = acc + (q0 + qi) * d + c0;
+                        for (int c = 0; c < nc; c++) {
+                            float x = a[c];
+                            for (int64_t j = ja; j < jb; j++)
+                                x = fmaf(sc[(q0 + qi) * widest + j], load_elem(vb + sl[j] * slot_bytes, dt, c0 + c), x);
+                            a[c] = x;
+                        }
                     }
                 }
             }
         }
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        float *o = out + (qr[qi] * H + qh[qi]) * d;
+        for (int64_t c = 0; c < d; c++) o[c] = acc[qi * d + c] * inv[qi];
     }
 }
 
@@ -559,7 +851,7 @@ void ur_attention(const float *q, int64_t N, int64_t H, int64_t d, const void *k
                   int dt, int64_t KV, const int64_t *slots, const int64_t *first, const int64_t *count,
                   float scale, const float *sinks, float *out, int nt) {
     const int64_t G = H / KV;
-    const int64_t RB = G >= MAXQ ? 1 : MAXQ / G;     /* rows per block */
+    const int64_t RB = G >= QBLOCK ? 1 : QBLOCK / G;     /* rows per block */
     /* blocks of consecutive rows whose key ranges overlap */
     int64_t *bstart = (int64_t *)malloc(sizeof(int64_t) * (N + 1));
     int64_t nb = 0, widest = 1;
@@ -577,23 +869,25 @@ void ur_attention(const float *q, int64_t N, int64_t H, int64_t d, const void *k
     bstart[nb] = N;
 #pragma omp parallel num_threads(nt) if (nt > 1 && nb * KV > 1)
     {
-        float *sc = (float *)malloc(sizeof(float) * MAXQ * widest);
+        float *sc = (float *)malloc(sizeof(float) * (G > QBLOCK ? G : QBLOCK) * widest);
+        float *acc = (float *)malloc(sizeof(float) * (G > QBLOCK ? G : QBLOCK) * d);
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t bi = 0; bi < nb; bi++) {
             for (int64_t kh = 0; kh < KV; kh++) {
                 const int64_t r0 = bstart[bi], r1 = bstart[bi + 1];
                 if (dt == DT_F32)
                     attend_block(q, H, d, kpool, vpool, DT_F32, G, slots, first, count, scale, sinks, out, r0, r1, kh,
-                                 sc, widest);
+                                 sc, widest, acc);
                 else if (dt == DT_BF16)
                     attend_block(q, H, d, kpool, vpool, DT_BF16, G, slots, first, count, scale, sinks, out, r0, r1,
-                                 kh, sc, widest);
+                                 kh, sc, widest, acc);
                 else
                     attend_block(q, H, d, kpool, vpool, DT_F16, G, slots, first, count, scale, sinks, out, r0, r1,
-                                 kh, sc, widest);
+                                 kh, sc, widest, acc);
             }
         }
         free(sc);
+        free(acc);
     }
     free(bstart);
 }
