@@ -368,34 +368,13 @@ def main(argv=None) -> int:
     ap.add_argument("--peers", default="", help="comma list from vllm, llamacpp (run after uniradix)")
     ap.add_argument("--no-uniradix", action="store_true", help="the peers alone")
     ap.add_argument("--gguf", default=None, help="llama.cpp's file when --model-path is a folder")
-    ap.add_argument("--f32-dir", default="/tmp/gemma3-270m-f32",
-                    help="vLLM's float32 folder, written once from a .gguf --model-path")
-    ap.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python")
-    ap.add_argument("--llamacpp-python", default="/tmp/llamacpp-peer/bin/python")
-    ap.add_argument("--uniradix-args", default="", help="more `uniradix serve` flags, one string")
-    ap.add_argument("--vllm-args", default="", help="more vLLM server flags, one string")
-    ap.add_argument("--llamacpp-args", default="", help="more llama.cpp server flags, one string")
-    ap.add_argument("--vllm-kv-gib", type=float, default=4, help="VLLM_CPU_KVCACHE_SPACE")
-    ap.add_argument("--server-cpus", default="auto",
-                    help="CPUs (as taskset writes them) for the server (auto: the last CPU this process may "
-                         "use; none: no pin)")
-    ap.add_argument("--start-timeout", type=float, default=900)
-    ap.add_argument("--request-timeout", type=float, default=1800)
-    ap.add_argument("--log-dir", default=None, help="servers' logs (default: a new temporary folder)")
+    peers.add_server_args(ap, vllm_kv_gib=4, request_timeout=1800)
     ap.add_argument("--json", default=None, help="also write the JSON line here")
     a = ap.parse_args(argv)
     a.depths = [int(x) for x in a.depths.split(",") if x]
     a.context = a.max_context  # vLLM's --max-model-len, llama.cpp's --n_ctx (serve_vs_peers.command)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the running server is stopped on the way out
-    if a.server_cpus == "none":
-        a.server_cpus = None
-    else:
-        mine = sorted(os.sched_getaffinity(0))
-        if a.server_cpus == "auto":
-            a.server_cpus = str(mine[-1])
-        rest = [c for c in mine if c not in peers.cpu_list(a.server_cpus)]
-        if rest:
-            os.sched_setaffinity(0, rest)  # the client keeps off the server's CPUs
+    peers.pin_servers(a)
     a.log_dir = a.log_dir or tempfile.mkdtemp(prefix="long_context-")
     os.makedirs(a.log_dir, exist_ok=True)
     specs, skipped = engines(a)

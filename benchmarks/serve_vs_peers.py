@@ -651,6 +651,38 @@ def load_note() -> str:
 
 
 # ------------------------------------------------------------------------------ main
+def add_server_args(ap: argparse.ArgumentParser, *, vllm_kv_gib: float, request_timeout: float) -> None:
+    """The flags that start the servers (every benchmark that runs them over HTTP)."""
+    ap.add_argument("--f32-dir", default="/tmp/gemma3-270m-f32",
+                    help="vLLM's float32 folder, written once from the .gguf")
+    ap.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python")
+    ap.add_argument("--llamacpp-python", default="/tmp/llamacpp-peer/bin/python")
+    ap.add_argument("--uniradix-args", default="", help="more `uniradix serve` flags, one string")
+    ap.add_argument("--vllm-args", default="", help="more vLLM server flags, one string")
+    ap.add_argument("--llamacpp-args", default="", help="more llama.cpp server flags, one string")
+    ap.add_argument("--vllm-kv-gib", type=float, default=vllm_kv_gib, help="VLLM_CPU_KVCACHE_SPACE")
+    ap.add_argument("--server-cpus", default="auto",
+                    help="CPUs (as taskset writes them) for every server (auto: the last CPU this process "
+                         "may use; none: no pin)")
+    ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--request-timeout", type=float, default=request_timeout)
+    ap.add_argument("--log-dir", default=None, help="servers' logs (default: a new temporary folder)")
+
+
+def pin_servers(a: argparse.Namespace) -> None:
+    """--server-cpus resolved (auto: this process's last CPU; none: None), and this
+    process, the client, moved off the servers' CPUs."""
+    if a.server_cpus == "none":
+        a.server_cpus = None
+        return
+    mine = sorted(os.sched_getaffinity(0))
+    if a.server_cpus == "auto":
+        a.server_cpus = str(mine[-1])
+    rest = [c for c in mine if c not in cpu_list(a.server_cpus)]
+    if rest:
+        os.sched_setaffinity(0, rest)  # the client keeps off the servers' CPUs
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--servers", default=DEFAULT_SERVERS, help=f"comma list from: {', '.join(SERVERS)}")
@@ -665,20 +697,8 @@ def main(argv=None) -> int:
     ap.add_argument("--output-tokens", type=int, default=Workload.output_tokens)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gguf", default=None, help="the Q4_K_M file (default: the pip package's)")
-    ap.add_argument("--f32-dir", default="/tmp/gemma3-270m-f32")
-    ap.add_argument("--vllm-python", default="/tmp/vllm-peer/bin/python")
-    ap.add_argument("--llamacpp-python", default="/tmp/llamacpp-peer/bin/python")
-    ap.add_argument("--uniradix-args", default="", help="more `uniradix serve` flags, one string")
-    ap.add_argument("--vllm-args", default="", help="more vLLM server flags, one string")
-    ap.add_argument("--llamacpp-args", default="", help="more llama.cpp server flags, one string")
-    ap.add_argument("--vllm-kv-gib", type=float, default=2, help="VLLM_CPU_KVCACHE_SPACE")
+    add_server_args(ap, vllm_kv_gib=2, request_timeout=900)
     ap.add_argument("--context", type=int, default=8192, help="vLLM's --max-model-len, llama.cpp's --n_ctx")
-    ap.add_argument("--server-cpus", default="auto",
-                    help="CPUs (as taskset writes them) for every server (auto: the last CPU this process "
-                         "may use; none: no pin)")
-    ap.add_argument("--start-timeout", type=float, default=900)
-    ap.add_argument("--request-timeout", type=float, default=900)
-    ap.add_argument("--log-dir", default=None, help="servers' logs (default: a new temporary folder)")
     ap.add_argument("--json", default=None, help="write every figure here")
     ap.add_argument("--dry", action="store_true",
                     help="uniradix alone on its embedded model, cache on against cache off, a tiny workload")
@@ -699,15 +719,7 @@ def main(argv=None) -> int:
         if any(s.kind == kind for s in specs) and not os.path.exists(py):
             print(f"skipping {kind}: no {py} (see this script's docstring for its venv)")
             specs = [s for s in specs if s.kind != kind]
-    if a.server_cpus == "none":
-        a.server_cpus = None
-    else:
-        mine = sorted(os.sched_getaffinity(0))
-        if a.server_cpus == "auto":
-            a.server_cpus = str(mine[-1])
-        rest = [c for c in mine if c not in cpu_list(a.server_cpus)]
-        if rest:
-            os.sched_setaffinity(0, rest)  # the client keeps off the servers' CPUs
+    pin_servers(a)
     a.log_dir = a.log_dir or tempfile.mkdtemp(prefix="serve_vs_peers-")
     os.makedirs(a.log_dir, exist_ok=True)
     eos_ids: list[int] = []

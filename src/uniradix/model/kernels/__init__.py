@@ -42,7 +42,6 @@ _SIGNATURES = {
     "ur_ssm_scan": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
     "ur_linear_q": [_p, _i64, _i64, _i64, _p, _p, _p, _int, _i64, _i64, _p, _p, _i64, _int],
     "ur_rows_q": [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p],
-    "ur_rows": [_p, _int, _i64, _p, _i64, _p],
     "ur_rms_norm": [_p, _p, _i64, _i64, _p, _f32, _int],
 }
 
@@ -114,12 +113,36 @@ def _on_cpu(*ts) -> bool:
 
 
 # ---------------------------------------------------------------------------- products
-class PackedWeight:
+class _Packed:
+    """What a packed weight answers as the [out, in] matrix it stands for (its storage:
+    the tensor named by `_storage`; `dense()` gives the matrix back): shape, device,
+    dimensions, and a move, which leaves the CPU's kernels for the dense matrix."""
+
+    __slots__ = ()
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def device(self) -> torch.device:
+        return getattr(self, self._storage).device
+
+    def dim(self) -> int:
+        return 2
+
+    def to(self, device):
+        """Itself on the CPU; elsewhere the dense weight (the kernels are the CPU's)."""
+        return self if torch.device(device).type == "cpu" else self.dense().to(device)
+
+
+class PackedWeight(_Packed):
     """W [out, in] in panels of NR output columns, [panel][in][NR], in its own dtype
     (float32, bfloat16 or float16); what `linear` multiplies. Holds the same values as
     the dense weight (`dense()` gives it back, for the witness and for moving it)."""
 
     __slots__ = ("panels", "out_features", "in_features")
+    _storage = "panels"
 
     def __init__(self, w: torch.Tensor) -> None:
         if w.dim() != 2 or w.dtype not in _DTYPES:
@@ -132,19 +155,8 @@ class PackedWeight:
         self.out_features, self.in_features = N, K
 
     @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.out_features, self.in_features))
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.panels.dtype
-
-    def dim(self) -> int:
-        return 2
-
-    @property
-    def device(self) -> torch.device:
-        return self.panels.device
 
     def dense(self) -> torch.Tensor:
         P = self.panels.shape[0]
@@ -154,18 +166,8 @@ class PackedWeight:
         """What the weights' witness and fingerprint read: the dense weight."""
         return self.dense()
 
-    def to(self, device) -> "PackedWeight | torch.Tensor":
-        """Itself on the CPU; elsewhere the dense weight (the kernels are the CPU's)."""
-        return self if torch.device(device).type == "cpu" else self.dense().to(device)
-
     def nbytes(self) -> int:
         return self.panels.numel() * self.panels.element_size()
-
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of W as float32 [n, in]: a lookup (an embedding tied to this head)
-        reading the panels."""
-        return _rows(lambda i, n, out: lib().ur_rows(self.panels.data_ptr(), _DTYPES[self.dtype], self.in_features,
-                                                     i, n, out), ids, self.in_features)
 
     def __repr__(self) -> str:
         return f"PackedWeight({self.out_features}x{self.in_features}, {self.dtype})"
@@ -178,7 +180,7 @@ def _rows(call, ids: torch.Tensor, K: int) -> torch.Tensor:
     return out.view(*ids.shape, K)
 
 
-class PackedQuant:
+class PackedQuant(_Packed):
     """W [out, in] as a GGUF file stores it (model/hf/gguf_blocks.Codes: codes u, per-group
     scales a and offsets b, w = a (u - off) + b), row by row in blocks of 32 inputs at
     about the file's bits per weight (kernels.c, ur_linear_q), with float32 a and
@@ -187,6 +189,7 @@ class PackedQuant:
     the file's own dequantised float32 values. `dtype` is float32 (what it stands for)."""
 
     __slots__ = ("codes", "a", "c", "out_features", "in_features", "bits", "group", "kind")
+    _storage = "codes"
 
     dtype = torch.float32
 
@@ -224,17 +227,6 @@ class PackedQuant:
             packed = torch.cat(planes, dim=-1)
         self.codes = panels(packed)   # [panels, blocks, PW, block bytes]
 
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.out_features, self.in_features))
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    def dim(self) -> int:
-        return 2
-
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids]: an embedding lookup reading the blocks (float32)."""
         return self.rows(torch.as_tensor(ids))
@@ -255,9 +247,6 @@ class PackedQuant:
         if self.c is not None:
             out["c"] = self.c
         return out
-
-    def to(self, device):
-        return self if torch.device(device).type == "cpu" else self.dense().to(device)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.a, self.c) if t is not None)

@@ -535,16 +535,6 @@ void ur_rows_q(const void *codes, const float *a, const float *c, int bits, int6
 }
 
 
-/* Rows `ids` of a weight in float panels (kernels.PackedWeight), as float32 [n, K]. */
-void ur_rows(const void *wp, int dt, int64_t K, const int64_t *ids, int64_t n, float *out) {
-    const int64_t es = elem_size(dt);
-    for (int64_t i = 0; i < n; i++) {
-        const char *panel = (const char *)wp + (ids[i] / NR) * K * NR * es;
-        const int64_t lane = ids[i] % NR;
-        for (int64_t k = 0; k < K; k++) out[i * K + k] = load_elem(panel, dt, k * NR + lane);
-    }
-}
-
 /* ------------------------------------------------------------------------ elementwise */
 
 /* e^x from IEEE operations only: x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' expf
