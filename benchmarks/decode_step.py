@@ -261,7 +261,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     threads = torch.get_num_threads()
-    path = a.model_path or default_model()
+    path = str(a.model_path or default_model())
     from uniradix.model import PRESETS, kernels
     if a.dtype or a.quantization:
         precisions = [(a.dtype or "float32", a.quantization or "none")]

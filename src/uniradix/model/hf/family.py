@@ -23,7 +23,7 @@ from .config_forms import FULL, HYBRID, LINEAR, SLIDING, ConfigError, Layer, lay
     with_defaults
 from .. import kernels
 from .gemm import is_packed, pack, unpack
-from .ops import Batch, rope_inv_freq
+from .ops import Batch, linears, rope_inv_freq
 from .quant import check_scheme, quantize, stored_scheme
 
 FULL_KV = FullKV()
@@ -491,6 +491,11 @@ class HFModel(PagedModel):
             self._packed_head = None
         self.quantization = "stored"
         return self
+
+    def projections(self, h: torch.Tensor, *names: str) -> list[torch.Tensor]:
+        """h @ W^T (+ its bias where the checkpoint has one) for each linear named (q, k
+        and v; gate and up), as one product where the weights can be one (ops.linears)."""
+        return linears(h, [self.w(n + ".weight") for n in names], [self.weights.get(n + ".bias") for n in names])
 
     def w(self, name: str) -> torch.Tensor:
         try:

@@ -101,9 +101,9 @@ class Gemma3(HFModel):
         w = self.w
         N = x.shape[0]
         h = rms_norm(x, w(p + "input_layernorm.weight"), self.eps, 1.0, dtype=self.dtype)
-        q = self._proj(h, p + "self_attn.q_proj").view(N, self.heads, self.head_dim)
-        k = self._proj(h, p + "self_attn.k_proj").view(N, self.kv_heads, self.head_dim)
-        v = self._proj(h, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
+        q, k, v = self.projections(h, p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj")
+        q = q.view(N, self.heads, self.head_dim)
+        k, v = k.view(N, self.kv_heads, self.head_dim), v.view(N, self.kv_heads, self.head_dim)
         q = rms_norm(q, w(p + "self_attn.q_norm.weight"), self.eps, 1.0)
         k = rms_norm(k, w(p + "self_attn.k_norm.weight"), self.eps, 1.0)
         q, k = batch.rotate(self.rope[i], q, k)
@@ -111,8 +111,8 @@ class Gemma3(HFModel):
         a = self._proj(a.reshape(N, -1), p + "self_attn.o_proj")
         x = x + rms_norm(a, w(p + "post_attention_layernorm.weight"), self.eps, 1.0, dtype=x.dtype)
         h = rms_norm(x, w(p + "pre_feedforward_layernorm.weight"), self.eps, 1.0, dtype=self.dtype)
-        g = gelu_tanh(linear(h, w(p + "mlp.gate_proj.weight")))
-        m = linear(g * linear(h, w(p + "mlp.up_proj.weight")), w(p + "mlp.down_proj.weight"))
+        g, u = self.projections(h, p + "mlp.gate_proj", p + "mlp.up_proj")
+        m = linear(gelu_tanh(g) * u, w(p + "mlp.down_proj.weight"))
         return x + rms_norm(m, w(p + "post_feedforward_layernorm.weight"), self.eps, 1.0, dtype=x.dtype)
 
     def _proj(self, h, name):

@@ -41,6 +41,39 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
     return dense(x, w, b)
 
 
+def linears(x: torch.Tensor, ws: list, bs: list | None = None) -> list[torch.Tensor]:
+    """[linear(x, w, b) for w, b in zip(ws, bs)] as one product where the weights can be
+    one (kernels.fuse: packed alike, made once per set of weights and kept), each output
+    a view of its columns; the same bits either way."""
+    bs = bs or [None] * len(ws)
+    fused = _fused(ws, bs) if _kernel(x) else None
+    if fused is None:
+        return [linear(x, w, b) for w, b in zip(ws, bs)]
+    w, b, sizes = fused
+    return list(linear(x, w, b).split(sizes, dim=-1))
+
+
+_FUSED: dict = {}
+
+
+def _fused(ws: list, bs: list):
+    """(the fused weight, its bias, the parts' widths) for weights `ws` with biases `bs`,
+    or None where they stay apart (kernels.fuse says no; some parts have a bias and some
+    not: a zero bias would turn a -0.0 into 0.0). Keyed by the tensors themselves."""
+    key = tuple(map(id, ws)) + tuple(map(id, bs))
+    hit = _FUSED.get(key)
+    if hit is None or any(a is not b for a, b in zip(hit[0], (*ws, *bs))):
+        if len(_FUSED) > 4096:  # weights of models long gone
+            _FUSED.clear()
+        has_bias = {b is not None for b in bs}
+        fused = kernels.fuse(ws) if len(has_bias) == 1 else None
+        if fused is not None:
+            b = torch.cat([b.float() for b in bs]) if True in has_bias else None
+            fused = (fused, b, [w.out_features for w in ws])
+        hit = _FUSED[key] = ((*ws, *bs), fused)
+    return hit[1]
+
+
 # ---------------------------------------------------------------------------- activations
 def _kernel(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and kernels.available()

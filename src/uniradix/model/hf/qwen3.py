@@ -57,16 +57,17 @@ class Qwen3(HFModel):
         p = f"model.layers.{i}."
         w, N = self.w, x.shape[0]
         h = rms_norm_llama(x, w(p + "input_layernorm.weight"), self.eps, dtype=self.dtype)
-        q = self._linear(h, p + "self_attn.q_proj").view(N, self.heads, self.head_dim)
-        k = self._linear(h, p + "self_attn.k_proj").view(N, self.kv_heads, self.head_dim)
-        v = self._linear(h, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
+        q, k, v = self.projections(h, p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj")
+        q = q.view(N, self.heads, self.head_dim)
+        k, v = k.view(N, self.kv_heads, self.head_dim), v.view(N, self.kv_heads, self.head_dim)
         q = rms_norm_llama(q, w(p + "self_attn.q_norm.weight"), self.eps)
         k = rms_norm_llama(k, w(p + "self_attn.k_norm.weight"), self.eps)
         q, k = batch.rotate(self.rope[i], q, k)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.head_dim ** -0.5)
         x = x + self._linear(a.reshape(N, -1), p + "self_attn.o_proj")
         h = rms_norm_llama(x, w(p + "post_attention_layernorm.weight"), self.eps, dtype=self.dtype)
-        g = silu(linear(h, w(p + "mlp.gate_proj.weight"))) * linear(h, w(p + "mlp.up_proj.weight"))
+        g, u = self.projections(h, p + "mlp.gate_proj", p + "mlp.up_proj")
+        g = silu(g) * u
         return x + linear(g, w(p + "mlp.down_proj.weight"))
 
     def head(self, x):

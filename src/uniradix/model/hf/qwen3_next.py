@@ -157,10 +157,10 @@ class Qwen3Next(HFModel):
     # ------------------------------------------------------------------ gated attention
     def _attention(self, i, p, h, batch):
         N, d = h.shape[0], self.head_dim
-        qg = self._linear(p + "q_proj", h).view(N, self.heads, 2 * d)
+        qg, k, v = self.projections(h, p + "q_proj", p + "k_proj", p + "v_proj")
+        qg = qg.view(N, self.heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(N, self.heads * d)
-        k = self._linear(p + "k_proj", h).view(N, self.kv_heads, d)
-        v = self._linear(p + "v_proj", h).view(N, self.kv_heads, d)
+        k, v = k.view(N, self.kv_heads, d), v.view(N, self.kv_heads, d)
         q = rms_norm(q, self.w(p + "q_norm.weight"), self.eps, 1.0)
         k = rms_norm(k, self.w(p + "k_norm.weight"), self.eps, 1.0)
         q, k = batch.rotate(self.rope[i], q, k)
@@ -178,9 +178,8 @@ class Qwen3Next(HFModel):
             b, a = self._linear(p + "in_proj_ba", h).view(N, Hk, 2 * r).split([r, r], dim=-1)
             qkv = torch.cat((q.reshape(N, -1), k.reshape(N, -1), v.reshape(N, -1)), dim=-1)
             return qkv, z.reshape(N, Hv, self.dv), b.reshape(N, Hv), a.reshape(N, Hv)
-        qkv = self._linear(p + "in_proj_qkv", h)
-        z = self._linear(p + "in_proj_z", h).view(N, Hv, self.dv)
-        return qkv, z, self._linear(p + "in_proj_b", h), self._linear(p + "in_proj_a", h)
+        qkv, z, b, a = self.projections(h, p + "in_proj_qkv", p + "in_proj_z", p + "in_proj_b", p + "in_proj_a")
+        return qkv, z.view(N, Hv, self.dv), b, a
 
     def _gdn(self, i, p, h, batch):
         N = h.shape[0]
@@ -240,7 +239,8 @@ class Qwen3Next(HFModel):
 
     # ------------------------------------------------------------------ MLP and MoE
     def _mlp(self, p, h):
-        return self._linear(p + "down_proj", silu(self._linear(p + "gate_proj", h)) * self._linear(p + "up_proj", h))
+        g, u = self.projections(h, p + "gate_proj", p + "up_proj")
+        return self._linear(p + "down_proj", silu(g) * u)
 
     def _moe(self, p, h):
         logits = linear(h, self.w(p + "gate.weight"))

@@ -52,13 +52,16 @@ def _load():
         _state["why"] = "UNIRADIX_KERNELS=torch"
         return None
     try:
-        path = build.library()
-        lib = ctypes.CDLL(path)
+        return _bind(build.library())
     except (build.BuildError, OSError) as e:
         _state["why"] = str(e)
         log.warning("row-invariant kernels unavailable (%s): torch's kernels instead, whose rows depend on the rows "
                     "computed beside them", e)
         return None
+
+
+def _bind(path: str):
+    lib = ctypes.CDLL(path)
     for name, args in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
@@ -88,6 +91,29 @@ class off:
 
     def __exit__(self, *exc):
         _state["off"] -= 1
+
+
+class isa:
+    """`with kernels.isa("x86-64-v3"):` the kernels built for another CPU level (-march)
+    for what runs inside: on an AVX-512 machine its AVX2 paths (x86-64-v3) or the scalar
+    ones (x86-64), which must give the same bits (tests/model/test_kernels.py), or an A/B
+    run of one against the other in one process. Process-wide while it lasts; raises
+    build.BuildError where that level cannot be built."""
+
+    def __init__(self, march: str) -> None:
+        self.march = march
+        self.lib = _bind(build.library(march))
+
+    def __enter__(self):
+        global _lib
+        lib()
+        self.saved = _lib
+        _lib = self.lib
+        return self
+
+    def __exit__(self, *exc):
+        global _lib
+        _lib = self.saved
 
 
 def describe() -> str:
@@ -276,6 +302,50 @@ def linear_q(x: torch.Tensor, w: PackedQuant, b: torch.Tensor | None = None) -> 
     return y if flat else y.view(*x.shape[:-1], N)
 
 
+def fuse(ws: list):
+    """One packed weight whose outputs are those of `ws` side by side (q, k and v; gate
+    and up): one product where there were several, a row's values the same bits (each
+    output is its own chain, whatever is computed beside it). The parts become views of
+    its storage, so nothing is held twice and each part still multiplies alone. None
+    where they cannot be one: not all PackedWeights of one dtype or PackedQuants of one
+    format, or a part but the last that does not fill its last panel."""
+    if len(ws) < 2:
+        return None
+    first = ws[0]
+    if all(type(w) is PackedWeight and w.dtype == first.dtype and w.in_features == first.in_features for w in ws):
+        if any(w.out_features % NR for w in ws[:-1]):
+            return None
+        fused = PackedWeight.__new__(PackedWeight)
+        fused.panels = torch.cat([w.panels for w in ws])
+        fused.in_features, fused.out_features = first.in_features, sum(w.out_features for w in ws)
+        p0 = 0
+        for w in ws:
+            n = w.panels.shape[0]
+            w.panels = fused.panels[p0:p0 + n]
+            p0 += n
+        return fused
+    same = ("bits", "group", "in_features")
+    if all(type(w) is PackedQuant and all(getattr(w, k) == getattr(first, k) for k in same)
+           and (w.c is None) == (first.c is None) for w in ws):
+        if any(w.out_features % PW for w in ws[:-1]):
+            return None
+        fused = PackedQuant.__new__(PackedQuant)
+        fused.bits, fused.group, fused.in_features = first.bits, first.group, first.in_features
+        fused.out_features = sum(w.out_features for w in ws)
+        fused.kind = "+".join(dict.fromkeys(w.kind for w in ws))
+        fused.codes, fused.a = torch.cat([w.codes for w in ws]), torch.cat([w.a for w in ws])
+        fused.c = None if first.c is None else torch.cat([w.c for w in ws])
+        p0 = 0
+        for w in ws:
+            n = w.codes.shape[0]
+            w.codes, w.a = fused.codes[p0:p0 + n], fused.a[p0:p0 + n]
+            if w.c is not None:
+                w.c = fused.c[p0:p0 + n]
+            p0 += n
+        return fused
+    return None
+
+
 class PackedExperts:
     """An expert stack [experts, out, in], each expert a PackedWeight: `[e]` is expert e."""
 
@@ -444,5 +514,5 @@ def ssm_scan(x, dt, A, Bm, C, state) -> tuple[torch.Tensor, torch.Tensor]:
     return y, S
 
 
-__all__ = ["NR", "OPS", "BlockTable", "off", "PackedWeight", "PackedExperts", "PackedQuant", "linear_q", "rms_norm", "available", "describe", "linear", "elementwise", "attention", "delta_rule",
+__all__ = ["NR", "OPS", "BlockTable", "fuse", "isa", "off", "PackedWeight", "PackedExperts", "PackedQuant", "linear_q", "rms_norm", "available", "describe", "linear", "elementwise", "attention", "delta_rule",
            "ssm_scan", "lib"]

@@ -54,11 +54,14 @@ def _version(cc: str) -> str:
         raise BuildError(f"{cc} --version failed: {e}") from None
 
 
-def library() -> str:
-    """The path of the compiled library, built now if the cache lacks it."""
+def library(march: str = "native") -> str:
+    """The path of the compiled library, built now if the cache lacks it. `march`: the
+    CPU level to build for (another than this CPU's: its AVX2 or scalar paths on an
+    AVX-512 machine, for a test that they give the same bits, or an A/B run)."""
     cc = compiler()
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, _version(cc).encode(), " ".join(FLAGS).encode(), _cpu().encode(),
+    flags = [f"-march={march}" if f == "-march=native" else f for f in FLAGS]
+    key = hashlib.sha256(b"\0".join([source, _version(cc).encode(), " ".join(flags).encode(), _cpu().encode(),
                                      platform.machine().encode()])).hexdigest()[:20]
     out = cache_dir() / f"uniradix_kernels_{key}.so"
     if out.exists():
@@ -67,7 +70,7 @@ def library() -> str:
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=".build-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
                               timeout=600)
         if done.returncode != 0:
             raise BuildError(f"{cc} failed on {SOURCE.name}: {done.stderr.strip()[-2000:]}")

@@ -29,7 +29,11 @@
 
 #if defined(__AVX512F__) && defined(__FMA__)
 #include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define UR_ISA "avx512, vnni"
+#else
 #define UR_ISA "avx512"
+#endif
 #define UR_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -375,6 +379,108 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+#if defined(UR_AVX512) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+/* AVX-512: two weight rows' blocks side by side in one vector, lanes 0-7 row j's eight
+   dots laid out exactly as the AVX2 tile lays them (qcodes, qdot), lanes 8-15 row
+   j + 1's; the scales, the accumulation and the final sums are the AVX2 tile's lane by
+   lane, so the bits are the same. The integer dots are exact either way (maddubs
+   cannot saturate on these codes: |u| <= 128, |q| <= 127, a pair <= 32512), so
+   AVX512-VNNI's dpbusd gives the same integers in one instruction. */
+#define QROWS 4   /* activation rows a tile takes */
+
+/* Rows j and j + 1's block (row j's at p, row j + 1's right after it) as
+   [row j's 32 codes, row j + 1's]. */
+static inline __m512i qcodes2(const uint8_t *p, const int bits) {
+    if (bits == 8 || bits == 6) return _mm512_loadu_si512((const void *)p);
+    /* 4 and 5 bits: the two rows' 16 bytes of nibbles (5: 20 bytes apart, each followed
+       by its word of fifth bits) */
+    const __m256i v = bits == 4 ? _mm256_loadu_si256((const __m256i *)p)
+                                : _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
+                                                          _mm_loadu_si128((const __m128i *)(p + 20)), 1);
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    /* [lo j, lo j+1, hi j, hi j+1] -> [lo j, hi j, lo j+1, hi j+1]: byte i is row j's
+       input i, byte 32 + i row j + 1's */
+    const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+    __m512i u = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));
+    if (bits == 5) {  /* bit i of the two words: input i's fifth bit, as a byte mask */
+        uint32_t h0, h1;
+        memcpy(&h0, p + 16, 4);
+        memcpy(&h1, p + 36, 4);
+        const __mmask64 fifth = (__mmask64)h0 | ((__mmask64)h1 << 32);
+        u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(fifth, _mm512_set1_epi8(0x10)));
+    }
+    return u;
+}
+
+static inline __m512 qdot2(__m512i u, __m512i q, const int bits) {
+    if (bits == 8) {  /* |u| times q with u's sign: u q exactly */
+        q = _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(u), _mm512_setzero_si512(), q);
+        u = _mm512_abs_epi8(u);
+    }
+#if defined(__AVX512VNNI__)
+    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, q));
+#else
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_maddubs_epi16(u, q), _mm512_set1_epi16(1)));
+#endif
+}
+
+static inline __attribute__((always_inline)) void qtile(
+        const int mr, const int nw, const int8_t *q, const float *d, const float *s, int64_t K,
+        const uint8_t *codes, const float *a, const float *c, int bits, int64_t G,
+        const float *bias, int64_t n0, float *y, int64_t ldy) {
+    const int64_t nb = K / 32, ng = K / G, bb = qblock_bytes(bits);
+    /* each lane's scale a among the block's (G 32: a's 4 rows; G 16: a's 4 rows of group
+       2b, then of group 2b + 1) */
+    const __m512i i0 = G == 32 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+                               : _mm512_set_epi32(5, 5, 5, 5, 1, 1, 1, 1, 4, 4, 4, 4, 0, 0, 0, 0);
+    const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(2));
+    __m512 acc[QROWS][2];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *cb = codes + b * PW * bb;
+        const __m512i u0 = qcodes2(cb, bits), u1 = qcodes2(cb + 2 * bb, bits);
+        const __m512 av = G == 32 ? _mm512_castps128_ps512(_mm_loadu_ps(a + b * PW))
+                                  : _mm512_castps256_ps512(_mm256_loadu_ps(a + 2 * b * PW));
+        const __m512 a0 = _mm512_permutexvar_ps(i0, av), a1 = _mm512_permutexvar_ps(i1, av);
+        for (int r = 0; r < mr; r++) {
+            const __m512i qv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q + r * K + b * 32)));
+            const __m512 db = _mm512_set1_ps(d[r * nb + b]);   /* each lane's scale a d: one rounding, as AVX2's */
+            acc[r][0] = _mm512_fmadd_ps(qdot2(u0, qv, bits), _mm512_mul_ps(a0, db), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(qdot2(u1, qv, bits), _mm512_mul_ps(a1, db), acc[r][1]);
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        float v[PW], cs[PW];
+        for (int h = 0; h < 2; h++) {
+            v[2 * h] = hsum8(_mm512_castps512_ps256(acc[r][h]));
+            v[2 * h + 1] = hsum8(_mm512_extractf32x8_ps(acc[r][h], 1));
+        }
+        for (int j = 0; j < PW; j++) cs[j] = 0.0f;
+        if (c) {
+            const float *sr = s + r * ng;
+            for (int64_t g = 0; g < ng; g++)
+                for (int j = 0; j < PW; j++) cs[j] = fmaf(c[g * PW + j], sr[g], cs[j]);
+            for (int j = 0; j < PW; j++) v[j] += cs[j];
+        }
+        for (int j = 0; j < nw; j++) {
+            if (bias) v[j] += bias[n0 + j];
+            y[r * ldy + n0 + j] = v[j];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void qrows_bg(
+        const int bits, const int64_t G, int mr, int nw, const int8_t *q, const float *d, const float *s, int64_t K,
+        const uint8_t *codes, int64_t rb, const float *a, const float *c, const float *bias, int64_t n0, float *y,
+        int64_t ldy) {
+    (void)rb;
+#define Q(R) qtile(R, nw, q, d, s, K, codes, a, c, bits, G, bias, n0, y, ldy)
+    switch (mr) { case 4: Q(4); return; case 3: Q(3); return; case 2: Q(2); return; default: Q(1); return; }
+#undef Q
+}
+
+#else
 #define QROWS 2   /* activation rows a tile takes */
 /* Rows [0, mr) of the quantised activations against weight rows [n0, n0 + nw); each
    output's operations are the same whatever mr and nw are. */
@@ -428,6 +534,8 @@ static inline __attribute__((always_inline)) void qrows_bg(
     switch (nw) { case 4: Q(1, 4); return; case 3: Q(1, 3); return; case 2: Q(1, 2); return; default: Q(1, 1); return; }
 #undef Q
 }
+
+#endif
 
 /* One specialisation per format (bits, group), so that the inner loop has no branch. */
 static void qrows(int mr, int nw, const int8_t *q, const float *d, const float *s, int64_t K, const uint8_t *codes,

@@ -1,0 +1,107 @@
+"""The row-invariant kernels' AVX-512, AVX2 and scalar paths are one function: built for
+this CPU and for a CPU level below it (kernels.isa), every kernel gives the same bits.
+So a figure, a stored page or a test's expectation made on one CPU holds on another of
+the same arithmetic, and a faster path for one instruction set (AVX-512's quantized
+products, two weight rows a vector) cannot drift from the others. (Here, beside the
+GGUF block tests, for their random blocks of every format.)"""
+from __future__ import annotations
+
+import os
+import platform
+
+import pytest
+import torch
+
+from test_gguf_blocks import FORMATS, random_blocks
+from uniradix.model import kernels
+from uniradix.model.hf.gguf_blocks import decode
+
+pytestmark = pytest.mark.skipif(os.environ.get("UNIRADIX_KERNELS", "").lower() == "torch" or not kernels.available(),
+                                reason="the row-invariant kernels are not built here")
+
+
+def levels_below() -> list[str]:
+    """The x86 CPU levels below this CPU's that the kernels' paths differ by: x86-64-v3
+    (the AVX2 paths) where this CPU has AVX-512, x86-64 (the scalar ones) on any x86."""
+    if platform.machine() not in ("x86_64", "AMD64") or not kernels.available():
+        return []
+    here = kernels.lib().ur_isa().decode()
+    return (["x86-64-v3"] if here.startswith("avx512") else []) + (["x86-64"] if here != "scalar" else [])
+
+
+def every_kernel() -> list[torch.Tensor]:
+    """Every kernel on inputs with tails everywhere: products (dense in three dtypes and
+    every GGUF block format, 45 outputs: a padded last panel) at 1 to 9 rows (each row
+    tiling of every path), attention over a pool (bfloat16, grouped heads, sinks,
+    windows), RMSNorm and the elementwise functions."""
+    torch.manual_seed(11)
+    N, K = 45, 512
+    cases = [(kernels.PackedWeight((torch.randn(N, K) * 0.1).to(dt)), kernels.linear)
+             for dt in (torch.float32, torch.bfloat16, torch.float16)]
+    cases += [(kernels.PackedQuant(decode(f, random_blocks(f, N, K, seed=2), N, K), f), kernels.linear_q)
+              for f in FORMATS]
+    xs = [torch.randn(m, K) for m in (1, 2, 3, 4, 5, 6, 8, 9)]
+    bias = torch.randn(N)
+    out = [fn(x, w, bias) for w, fn in cases for x in xs]
+    H, KV, d, slots, rows = 8, 2, 40, 300, 70
+    kp, vp = torch.randn(slots, KV, d).to(torch.bfloat16), torch.randn(slots, KV, d).to(torch.bfloat16)
+    keys = torch.randperm(slots)[:200]
+    count = torch.arange(131, 131 + rows)
+    first = torch.zeros(rows, dtype=torch.int64)
+    first[::3] = (count[::3] - 50).clamp(min=0)                   # every third row: a window of 50
+    count = count - first
+    out.append(kernels.attention(torch.randn(rows, H, d), kp, vp, keys, first, count, 0.3, torch.randn(H)))
+    x = torch.randn(33, 130) * 3
+    out.append(kernels.rms_norm(x, torch.randn(130), 1e-6))
+    out += [kernels.elementwise(op, x * 4, 20.0) for op in kernels.OPS]
+    return out
+
+
+@pytest.mark.parametrize("march", levels_below())
+def test_every_instruction_set_gives_the_same_bits(march):
+    here = every_kernel()
+    try:
+        other = kernels.isa(march)
+    except kernels.build.BuildError as err:
+        pytest.skip(f"cannot build the kernels for {march}: {err}")
+    with other:
+        assert kernels.lib() is other.lib and kernels.lib().ur_isa().decode() != kernels.describe()
+        there = every_kernel()
+    assert kernels.lib() is not other.lib
+    assert len(here) == len(there)
+    for i, (a, b) in enumerate(zip(here, there)):
+        assert torch.equal(a, b), f"{march}: kernel case {i} differs by up to {(a - b).abs().max().item()}"
+
+
+def test_weights_fused_into_one_product_give_each_part_its_own_bits():
+    """kernels.fuse / ops.linears: q, k and v (or gate and up) multiplied as one product
+    give each part's outputs bit for bit, the parts become views of the one storage
+    (nothing held twice) and still multiply alone; what cannot be one stays apart."""
+    from uniradix.model.hf.ops import linears
+    torch.manual_seed(3)
+    K = 256
+    x = torch.randn(5, K)
+    for dt in (torch.float32, torch.bfloat16):
+        ws = [kernels.PackedWeight((torch.randn(n, K) * 0.1).to(dt)) for n in (64, 32, 40)]
+        bs = [torch.randn(w.out_features) for w in ws]
+        apart = [kernels.linear(x, w, b) for w, b in zip(ws, bs)]
+        dense = [w.dense() for w in ws]
+        together = linears(x, ws, bs)
+        for a, b in zip(together, apart):
+            assert torch.equal(a, b)
+        fused_ptr = ws[0].panels.data_ptr()
+        assert ws[1].panels.data_ptr() == fused_ptr + ws[0].panels.numel() * ws[0].panels.element_size()
+        for w, d, b, a in zip(ws, dense, bs, apart):          # each part alone, as before
+            assert torch.equal(w.dense(), d) and torch.equal(kernels.linear(x, w, b), a)
+        assert [t.shape[-1] for t in linears(x[:1], ws, bs)] == [64, 32, 40]
+        assert linears(x, ws[:2], [bs[0], None])[1].shape == (5, 32)       # a bias on some parts only: apart
+    qs = [kernels.PackedQuant(decode(f, random_blocks(f, n, K, seed=seed), n, K), f)
+          for f, n, seed in (("Q5_0", 64, 4), ("Q5_0", 34, 5), ("Q8_0", 32, 6), ("Q5_0", 36, 7))]
+    apart = [kernels.linear_q(x, w) for w in qs]
+    assert kernels.fuse([qs[0], qs[2]]) is None                             # two formats
+    assert kernels.fuse([qs[1], qs[0]]) is None                             # 34 rows: a part panel mid-way
+    together = linears(x, [qs[0], qs[3], qs[1]])                            # (last: it may end mid-panel)
+    for a, b in zip(together, [apart[0], apart[3], apart[1]]):
+        assert torch.equal(a, b)
+    assert torch.equal(kernels.linear_q(x, qs[1]), apart[1])
+    assert kernels.fuse([kernels.PackedWeight(torch.randn(16, K)), kernels.PackedWeight(torch.randn(16, K).bfloat16())]) is None
