@@ -221,6 +221,8 @@ def test_rms_norm_is_per_row_and_is_rms_norm():
     ref = x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * w.double()
     assert (y.double() - ref).abs().max().item() < 1e-5
     assert torch.equal(kernels.rms_norm(x.bfloat16(), None, 1e-6), kernels.rms_norm(x.bfloat16().float(), None, 1e-6))
+    for dt in DTYPES:  # rounded to the dtype asked for inside the call, as torch's .to() rounds
+        assert torch.equal(kernels.rms_norm(x.to(dt), w, 1e-6, dt), kernels.rms_norm(x.to(dt), w, 1e-6).to(dt))
     with pytest.raises(ValueError, match="scale"):
         kernels.rms_norm(x, torch.randn(69), 1e-6)
 
@@ -296,3 +298,21 @@ def test_rope_values_do_not_depend_on_the_positions_asked_with_them():
     assert torch.equal(c5, cos[5:6]) and torch.equal(c_all, cos) and torch.equal(s_all, sin)
     freqs = pos[:, None].double() * inv.double()[None]
     assert (cos[:, :3].double() - freqs.cos()).abs().max() < 1e-3  # float32 products of large positions
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_product_converts_its_input_and_rounds_its_output_as_torch_would(dtype):
+    """16-bit activations are read and a bfloat16 output rounded inside the one call
+    (ur_linear_io), and rows that lie apart (a fused product's part) are read where they
+    are: the bits of the float32 product over x.float(), rounded by torch's .to()."""
+    torch.manual_seed(12)
+    K, N = 96, 40
+    w = kernels.PackedWeight((torch.randn(N, K) * 0.1).to(dtype))
+    wide = torch.randn(7, 3 * K).to(dtype)
+    x = wide[:, K:2 * K]                                   # rows 3K apart
+    x[0, :4] = torch.tensor([3e38, -3e38, 1e-40, float("nan")]).to(dtype)   # overflow, subnormal, NaN
+    y = kernels.linear(x, w)
+    ref = kernels.linear(x.float().contiguous(), w).to(dtype)
+    assert y.dtype == dtype and y.shape == (7, N)
+    assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[~y.isnan()], ref[~ref.isnan()])
+    assert torch.isinf(y[0]).any() or torch.isnan(y[0]).any()

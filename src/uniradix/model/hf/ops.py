@@ -116,17 +116,16 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, offset: float 
     several ops and ~30 us a call: a decode step normalises ~100 times)."""
     scale = None if w is None else _norm_scale(w, offset)
     if _kernel(x):
-        y = kernels.rms_norm(x, scale, eps)
-    else:
-        y = F.rms_norm(x.float(), (x.shape[-1],), scale, eps)
-    return y.to(dtype or x.dtype)
+        return kernels.rms_norm(x, scale, eps, dtype or x.dtype)
+    return F.rms_norm(x.float(), (x.shape[-1],), scale, eps).to(dtype or x.dtype)
 
 
 def rms_norm_llama(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
     """RMSNorm as Llama-style models do it: normalised in float32, cast back (to
     `dtype`, default x's), then scaled by w in the weights' dtype."""
-    y = kernels.rms_norm(x, None, eps) if _kernel(x) else F.rms_norm(x.float(), (x.shape[-1],), None, eps)
-    return w * y.to(dtype or x.dtype)
+    if _kernel(x):
+        return w * kernels.rms_norm(x, None, eps, dtype or x.dtype)
+    return w * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(dtype or x.dtype)
 
 
 _NORM_SCALES: dict = {}

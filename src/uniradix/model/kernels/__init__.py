@@ -36,6 +36,7 @@ _state = {"tried": False, "why": "", "off": 0}
 _i64, _f32, _int, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
     "ur_linear": [_p, _i64, _i64, _i64, _p, _int, _i64, _p, _p, _i64, _int],
+    "ur_linear_io": [_p, _int, _i64, _i64, _i64, _p, _int, _i64, _p, _p, _int, _i64, _int],
     "ur_elementwise": [_int, _p, _p, _i64, _f32, _int],
     "ur_attention": [_p, _i64, _i64, _i64, _p, _p, _int, _i64, _p, _p, _p, _f32, _p, _p, _int],
     "ur_delta_rule": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
@@ -43,6 +44,7 @@ _SIGNATURES = {
     "ur_linear_q": [_p, _i64, _i64, _i64, _p, _p, _p, _int, _i64, _i64, _p, _p, _i64, _int],
     "ur_rows_q": [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p],
     "ur_rms_norm": [_p, _p, _i64, _i64, _p, _f32, _int],
+    "ur_rms_norm_io": [_p, _int, _p, _int, _i64, _i64, _p, _f32, _int],
 }
 
 
@@ -394,13 +396,17 @@ def linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None) -> t
         raise ValueError(f"linear: input has {x.shape[-1]} features, the weight takes {K}")
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, K)
-    xf = x2 if x2.dtype is torch.float32 and x2.is_contiguous() else x2.float().contiguous()
+    xdt = _DTYPES.get(x2.dtype)
+    if xdt is None or x2.stride(-1) != 1 or x2.device.type != "cpu":  # rows may lie apart (a fused product's part)
+        x2, xdt = x2.float().contiguous(), 0
     if b is not None and (b.dtype is not torch.float32 or not b.is_contiguous()):
         b = b.float().contiguous()
-    y = torch.empty((xf.shape[0], N), dtype=torch.float32)
-    lib().ur_linear(xf.data_ptr(), xf.shape[0], K, K, w.panels.data_ptr(), _DTYPES[w.panels.dtype], N,
-                   None if b is None else b.data_ptr(), y.data_ptr(), N, torch.get_num_threads())
-    if x.dtype is not torch.float32:
+    out = torch.bfloat16 if x.dtype is torch.bfloat16 else torch.float32  # rounded in the call; float16 below
+    y = torch.empty((x2.shape[0], N), dtype=out)
+    lib().ur_linear_io(x2.data_ptr(), xdt, x2.shape[0], K, x2.stride(0) if x2.shape[0] > 1 else K,
+                       w.panels.data_ptr(), _DTYPES[w.panels.dtype], N, None if b is None else b.data_ptr(),
+                       y.data_ptr(), _DTYPES[out], N, torch.get_num_threads())
+    if x.dtype is not out:
         y = y.to(x.dtype)
     return y if flat else y.view(*x.shape[:-1], N)
 
@@ -419,22 +425,22 @@ def elementwise(op: str, x: torch.Tensor, param: float = 0.0) -> torch.Tensor:
     return y if x.dtype is torch.float32 else y.to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * w over the last dimension, in float32 (w float32 or
-    None), each row's sum in one fixed order (kernels.c, ur_rms_norm): one call where
-    torch's composite takes several."""
+    None), each row's sum in one fixed order (kernels.c, ur_rms_norm), rounded to `dtype`
+    (bfloat16 inside the call, as torch's .to() rounds): one call where torch's
+    composite takes several."""
     n = x.shape[-1]
-    if x.dtype is torch.float32 and x.is_contiguous():
-        xf, y = x, torch.empty_like(x)
-    else:
-        xf = y = x.float().contiguous()
-        if xf.data_ptr() == x.data_ptr():
-            y = torch.empty_like(xf)
+    xdt = _DTYPES.get(x.dtype)
+    if xdt is None or not x.is_contiguous():
+        x, xdt = x.float().contiguous(), 0
     if w is not None and (w.dtype is not torch.float32 or not w.is_contiguous() or w.numel() != n):
         raise ValueError(f"rms_norm: the scale must be {n} contiguous float32 values")
-    lib().ur_rms_norm(xf.data_ptr(), y.data_ptr(), xf.numel() // n if n else 0, n, _ptr(w), float(eps),
-                      torch.get_num_threads())
-    return y
+    out = torch.bfloat16 if dtype is torch.bfloat16 else torch.float32
+    y = torch.empty(x.shape, dtype=out)
+    lib().ur_rms_norm_io(x.data_ptr(), xdt, y.data_ptr(), _DTYPES[out], x.numel() // n if n else 0, n, _ptr(w),
+                         float(eps), torch.get_num_threads())
+    return y if dtype is out else y.to(dtype)
 
 
 # ---------------------------------------------------------------------------- attention

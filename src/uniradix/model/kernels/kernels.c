@@ -300,6 +300,46 @@ void ur_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wp
     }
 }
 
+/* Rows of x in dtype xdt (row stride ldx) as contiguous float32 [M, K]: x itself where
+   it is that already, else a copy to free (16-bit values convert exactly). */
+static const float *rows_f32(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, int64_t *ld, float **owned) {
+    *owned = NULL;
+    if (xdt == DT_F32) { *ld = ldx; return (const float *)x; }
+    float *f = (float *)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) f[m * K + k] = load_elem(x, xdt, m * ldx + k);
+    *ld = K;
+    *owned = f;
+    return f;
+}
+
+/* float32 to bfloat16, rounded to nearest even as torch rounds (a NaN stays a NaN). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* ur_linear with x in any of the three dtypes (row stride ldx) and y in float32 or
+   bfloat16 (ydt): the conversions inside the one call, the product the same. */
+void ur_linear_io(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, const void *wp, int dt, int64_t N,
+                  const float *bias, void *y, int ydt, int64_t ldy, int nt) {
+    float *owned, *tmp = NULL;
+    int64_t lx;
+    const float *xf = rows_f32(x, xdt, M, K, ldx, &lx, &owned);
+    if (ydt == DT_F32) {
+        ur_linear(xf, M, K, lx, wp, dt, N, bias, (float *)y, ldy, nt);
+    } else {
+        tmp = (float *)malloc(sizeof(float) * (size_t)(M * N > 0 ? M * N : 1));
+        ur_linear(xf, M, K, lx, wp, dt, N, bias, tmp, N, nt);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) ((uint16_t *)y)[m * ldy + n] = f32_to_bf16(tmp[m * N + n]);
+    }
+    free(owned);
+    free(tmp);
+}
+
 /* ------------------------------------------------------------------------ quantized products */
 
 /* Weights as a GGUF file stores them (kernels.PackedQuant), multiplied as llama.cpp
@@ -750,6 +790,21 @@ void ur_rms_norm(const float *x, float *y, int64_t rows, int64_t n, const float 
         if (w) for (int64_t j = 0; j < n; j++) yr[j] = xr[j] * inv * w[j];
         else for (int64_t j = 0; j < n; j++) yr[j] = xr[j] * inv;
     }
+}
+
+/* ur_rms_norm with x in any of the three dtypes and y in float32 or bfloat16 (ydt), the
+   conversions inside the one call. */
+void ur_rms_norm_io(const void *x, int xdt, void *y, int ydt, int64_t rows, int64_t n, const float *w, float eps,
+                    int nt) {
+    float *owned, *tmp = NULL;
+    int64_t lx;
+    const float *xf = rows_f32(x, xdt, rows, n, n, &lx, &owned);
+    float *yf = ydt == DT_F32 ? (float *)y : (tmp = (float *)malloc(sizeof(float) * (size_t)(rows * n > 0 ? rows * n : 1)));
+    ur_rms_norm(xf, yf, rows, n, w, eps, nt);
+    if (tmp)
+        for (int64_t i = 0; i < rows * n; i++) ((uint16_t *)y)[i] = f32_to_bf16(tmp[i]);
+    free(owned);
+    free(tmp);
 }
 
 enum { EW_EXP = 0, EW_SIGMOID, EW_SILU, EW_SOFTPLUS, EW_GELU_TANH, EW_TANH };
