@@ -3,6 +3,7 @@ run on one machine, and where its time goes.
 
     python benchmarks/decode_step.py [--model-path X.gguf|DIR] [--batches 1,4,16] [--prompt 256]
         [--precisions float32:none,bfloat16:none,float16:none,float32:stored] [--steps 16] [--threads N]
+        [--isa x86-64-v3]
 
 Run it pinned as a server would run (`taskset -c 1 ... --threads 1`): the bandwidth is
 measured under the same affinity.
@@ -18,6 +19,9 @@ before each precision. `x floor` is the measured step over its floor (weights on
 per request) at the bandwidth measured just before that precision; `x best` at the best
 bandwidth of the whole run (the neighbours' load moves it: the two bound the truth);
 `/step(1)` is a step of B requests over a step of one (issue 30's goal: <= 1.3 at batch 4).
+`--isa MARCH` times every other step on the kernels built for that CPU level
+(kernels.isa: the AVX2 paths of an AVX-512 machine, say), which give the same bits, so
+`x MARCH` is this CPU's kernels against those under the same load, step by step.
 
 For each precision and batch size B, B requests with --prompt-token prompts are
 prefilled, then --steps decode steps (one token per request each) are timed one by one
@@ -181,23 +185,31 @@ def split_pass(eng, n: int) -> tuple[dict, dict]:
 
 
 def measure(model, batch: int, a) -> dict:
-    eng = decoding_engine(model, batch, a.prompt, a.steps)
+    """The timed steps, one by one; with --isa, every other step on the kernels built for
+    that CPU level (the same bits: the engine goes on the same), so the two are timed
+    under the same load, step by step."""
+    eng = decoding_engine(model, batch, a.prompt, 2 * a.steps if a.isa else a.steps)
     try:
         for _ in range(2):  # warm-up
             eng.step()
-        times = []
+        times, other = [], []
         for _ in range(a.steps):
-            t0 = time.perf_counter()
-            eng.step()
-            times.append(time.perf_counter() - t0)
+            for runs, ctx in ((times, contextlib.nullcontext()),) + (((other, a.isa_kernels),) if a.isa else ()):
+                with ctx:
+                    t0 = time.perf_counter()
+                    eng.step()
+                    runs.append(time.perf_counter() - t0)
         step_ms = 1e3 * statistics.median(times)
         parts, calls = split_pass(eng, max(4, a.steps // 2))
     finally:
         eng.close()
     wall = sum(parts.values()) or 1.0
     shares = {k: v / wall for k, v in parts.items()}
-    return dict(batch=batch, step_ms=step_ms, ms_per_token=step_ms / batch,
-                parts_ms={k: s * step_ms for k, s in shares.items()}, shares=shares, kernel_calls=calls)
+    out = dict(batch=batch, step_ms=step_ms, ms_per_token=step_ms / batch,
+               parts_ms={k: s * step_ms for k, s in shares.items()}, shares=shares, kernel_calls=calls)
+    if a.isa:
+        out["isa_step_ms"] = 1e3 * statistics.median(other)
+    return out
 
 
 def parse_precisions(text: str) -> list[tuple[str, str]]:
@@ -256,7 +268,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--bandwidth-mb", type=int, default=512, help="the buffer the bandwidth is read from")
+    p.add_argument("--isa", default=None, metavar="MARCH",
+                   help="also time every other step on the kernels built for this CPU level (-march: x86-64-v3 for "
+                        "the AVX2 paths on an AVX-512 machine, x86-64 for the scalar ones): `x MARCH` = step / its step")
     a = p.parse_args()
+    a.isa_kernels = None
+    if a.isa:
+        from uniradix.model import kernels
+        try:
+            a.isa_kernels = kernels.isa(a.isa)
+        except kernels.build.BuildError as e:
+            p.error(f"--isa {a.isa}: {e}")
     a.batches = [int(b) for b in a.batches.split(",")]
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -294,12 +316,14 @@ def main() -> None:
               f"(weights {mib(b1['weights'])}, KV {mib(b1['kv'])} at depth {r['depth']}, states "
               f"{mib(b1['states'])}, embedding rows {mib(b1['embedding'])}) -> floor {r['floor_ms']:.1f} ms at "
               f"{r['bandwidth_gbs']:.1f} GB/s")
+        isa = f"{a.isa} ms" if a.isa else ""
         print(f"{'batch':>5}{'step ms':>9}{'ms/token':>9}{'floor ms':>9}{'x floor':>8}{'/step(1)':>9}"
-              + "".join(f"{k:>12}" for k in PARTS))
+              + "".join(f"{k:>12}" for k in PARTS) + (f"{isa:>16}{'x ' + a.isa:>14}" if a.isa else ""))
         for row in r["rows"]:
             ratio = f"{row['step_ratio']:.2f}" if row["step_ratio"] is not None else "-"
             print(f"{row['batch']:>5}{row['step_ms']:>9.1f}{row['ms_per_token']:>9.1f}{row['floor_ms']:>9.2f}"
-                  f"{row['x_floor']:>8.2f}{ratio:>9}" + "".join(f"{row['parts_ms'][k]:>12.1f}" for k in PARTS))
+                  f"{row['x_floor']:>8.2f}{ratio:>9}" + "".join(f"{row['parts_ms'][k]:>12.1f}" for k in PARTS)
+                  + (f"{row['isa_step_ms']:>16.1f}{row['step_ms'] / row['isa_step_ms']:>14.2f}" if a.isa else ""))
     best = max([run_bw["read"]] + [r["bandwidth_gbs"] for r in results])
     print(f"\nx floor: at the bandwidth measured just before each precision; x best: at the run's best, "
           f"{best:.1f} GB/s")
@@ -310,7 +334,7 @@ def main() -> None:
             ratio = f"{row['step_ratio']:.2f}" if row["step_ratio"] is not None else "-"
             print(f"{r['dtype'] + '/' + r['quantization']:<18}{row['batch']:>5}{row['step_ms']:>9.1f}"
                   f"{row['ms_per_token']:>9.1f}{row['x_floor']:>8.2f}{row['x_floor_best']:>8.2f}{ratio:>9}")
-    print(json.dumps(dict(model=path, cpu=cpu, kernels=kernels.describe(), threads=threads, cpus=pinned,
+    print(json.dumps(dict(model=path, cpu=cpu, kernels=kernels.describe(), isa=a.isa, threads=threads, cpus=pinned,
                           load_average=os.getloadavg()[0], prompt=a.prompt, steps=a.steps,
                           bandwidth=dict(buffer_mb=a.bandwidth_mb, one_core_gbs=one_core["read"],
                                          threads_gbs=run_bw["read"], one_core_copy_gbs=one_core["copy"],

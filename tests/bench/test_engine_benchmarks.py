@@ -73,8 +73,10 @@ def test_decode_step_measures_its_floor_the_cpu_and_the_split(tmp_path):
     import torch
     from uniradix.model import load_model
 
+    import platform
+    isa = ["--isa", "x86-64"] if platform.machine() in ("x86_64", "AMD64") else []  # the scalar build beside
     out = run_script("decode_step.py", "--model-path", "tiny-hybrid", "--batches", "1,2", "--steps", "2",
-                     "--prompt", "16", "--bandwidth-mb", "8", "--threads", "1", tmp_path=tmp_path)
+                     "--prompt", "16", "--bandwidth-mb", "8", "--threads", "1", *isa, tmp_path=tmp_path)
     result = json.loads(out.strip().splitlines()[-1])
     assert set(result["cpu"]["flags"]) == {"avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile"}
     assert result["cpu"]["model"] and result["kernels"] and result["threads"] == 1
@@ -108,6 +110,9 @@ def test_decode_step_measures_its_floor_the_cpu_and_the_split(tmp_path):
         if result["kernels"].startswith("row-invariant"):  # the kernels' calls were timed, not missed
             assert row["kernel_calls"]["linear"] > 0 and parts["products"] > 0
     assert one["step_ratio"] == 1.0 and two["step_ratio"] > 0
+    if isa:  # every other step on the other build
+        assert result["isa"] == "x86-64" and all(row["isa_step_ms"] > 0 for row in prec["rows"])
+        assert "x x86-64" in out
     assert "x floor" in out and "avx2" in out and result["kernels"] in out
 
 
