@@ -2,9 +2,13 @@
 missing optional dependency (matplotlib, the plots extra) costs only the plot."""
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,6 +31,36 @@ def test_multiturn_tiers_without_matplotlib_prints_tables_and_skips_the_plot(tmp
     assert not plot.exists()
     assert "hit rates identical in all 2 passes" in out.stdout
     assert "L1+L2+L3 / L1 input throughput" in out.stdout
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None,
+                    reason="redis-server is not on PATH (apt-get install redis-server)")
+def test_multiturn_tiers_over_redis_reads_l3_and_compares_with_raw(tmp_path):
+    """--storage redis: the script starts its own redis-server on 127.0.0.1, and stops
+    it by its PID. The working set outgrows L1 and L2, so the L3 pass resumes from
+    storage; its loads are printed against a raw redis-py GET of the same sizes."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "multiturn_tiers.py"), "--storage", "redis",
+           "--clients", "8", "--rounds", "4", "--first-round-tokens", "64", "--tokens-per-round", "16",
+           "--output-tokens", "2", "--max-total-tokens", "256", "--hicache-ratio", "2", "--repeats", "1",
+           "--prefetch-threshold", "8", "--threads", "1", "--plot", ""]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    pid = int(re.search(r"redis: started on 127\.0\.0\.1 \(PID (\d+)\)", out.stderr).group(1))
+    with pytest.raises(ProcessLookupError):   # stopped by the script
+        os.kill(pid, 0)
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    assert data["storage"] == "redis" and data["threads"] == 1
+    (l3,) = data["tokens"]["L1+L2+L3"]
+    assert l3["storage_tokens"] > 0 and l3["errors"] == 0
+    assert all(t["storage_tokens"] == 0 for c in ("L1", "L1+L2") for t in data["tokens"][c])
+    loads = data["loads"]["L1+L2+L3"]["l3"]
+    assert loads["backend"] == "redis" and loads["get_objects"] > 0 and loads["get_bytes"] > 0
+    assert loads["raw_gbps"] is not None and loads["raw_gbps"] > 0
+    assert re.search(r"L3 -> L2 \(store -> host\), L1\+L2\+L3, redis: loaded [\d.,]+ MB in \d+ reads at "
+                     r"[\d.]+ GB/s = \d+% of raw .*raw: redis-py GET pipelines", out.stdout)
+    assert re.search(r"L2 -> L1 \(host -> device\), L1\+L2: loaded [\d.,]+ MB .* of raw", out.stdout)
 
 
 def test_serve_vs_peers_dry_run_serves_chat_over_http_and_compares(tmp_path):

@@ -7,6 +7,7 @@ request is cached, and hands what the host is about to lose to the tier below (`
 the L3 tier, under write_back). Allocation and freeing go through the cache's ledger."""
 from __future__ import annotations
 
+import time
 from array import array
 from dataclasses import dataclass, field
 
@@ -56,6 +57,13 @@ class HostTier:
         self.layer_ids = sorted({lid for p in pools for lid in getattr(p, "layer_ids", ())})
         self.counters = dict(loads=0, loaded_handles=0, failed_loads=0, written_handles=0, skipped_writes=0,
                              written_back=0, staged_from_storage=0, adopted=0)
+        # host -> device loads that ended, by what they carried (host hits; data read from
+        # L3 through the host): bytes, the copy thread's wall and CPU seconds (see
+        # LayerwiseLoad); staged_write_s: landing L3 data in the host pools; load_wait_s:
+        # the scheduler's thread blocked on loads (the forward's wait_layer, and sync)
+        for kind in ("load", "staged_load"):
+            self.counters.update({f"{kind}_bytes": 0, f"{kind}_copy_s": 0.0, f"{kind}_copy_cpu_s": 0.0})
+        self.counters.update(staged_write_s=0.0, load_wait_s=0.0)
 
     # ------------------------------------------------------------------ loads to the device
     def load(self, loads, got: list) -> list[CopyJob]:
@@ -79,14 +87,20 @@ class HostTier:
     def job(self, ci: int, host_handles, device_handles) -> CopyJob:
         return CopyJob(self.pools[ci], host_handles, self.device[ci], device_handles)
 
-    def start(self, jobs: list[CopyJob]) -> None:
+    def start(self, jobs: list[CopyJob], kind: str = "load") -> None:
+        """Start loading `jobs` layer by layer; `kind` names the counters it adds to once
+        it has ended ("load": host hits, "staged_load": L3 data through the host)."""
         if jobs:
-            self.pending.append(LayerwiseLoad(jobs, self.layer_ids).start())
+            ld = LayerwiseLoad(jobs, self.layer_ids)
+            ld.kind = kind
+            self.pending.append(ld.start())
 
     def wait_layer(self, layer_id: int) -> None:
         """Block until every pending load has copied `layer_id` (the forward's hook)."""
+        t0 = time.perf_counter()
         for ld in self.pending:
             ld.wait(layer_id)
+        self.counters["load_wait_s"] += time.perf_counter() - t0
 
     def sync(self) -> None:
         """Wait for every pending load to end (before device data is read other than by
@@ -94,8 +108,18 @@ class HostTier:
         if not self.pending:
             return
         loads, self.pending = self.pending, []
-        for ld in loads:
-            ld.wait_all()
+        t0 = time.perf_counter()
+        try:
+            for ld in loads:
+                ld.wait_all()
+        finally:
+            c = self.counters
+            c["load_wait_s"] += time.perf_counter() - t0
+            for ld in loads:
+                if ld.done and ld.error is None:
+                    c[f"{ld.kind}_bytes"] += ld.nbytes
+                    c[f"{ld.kind}_copy_s"] += ld.copy_s
+                    c[f"{ld.kind}_copy_cpu_s"] += ld.cpu_s
 
     # ------------------------------------------------------------------ copies down
     def copy_down(self, ev) -> array | None:
@@ -220,6 +244,7 @@ class HostTier:
         hh = self.ledger.alloc_host(need)
         if hh is None:
             return False
+        t0 = time.perf_counter()
         jobs, host, host_h = [], None, None
         for (target, hs, _, sidecar), blobs in zip(fetched.plan, fetched.blobs):
             if sidecar:  # rows of the pool entry just before it, on the same handles
@@ -237,7 +262,8 @@ class HostTier:
             pages = staged.pages.setdefault(ci, {})
             for k, (d, h) in enumerate(zip(hs, host_h)):
                 pages[first + k] = (d, h)
-        self.start(jobs)
+        self.counters["staged_write_s"] += time.perf_counter() - t0
+        self.start(jobs, "staged_load")
         self.counters["staged_from_storage"] += sum(need)
         return True
 

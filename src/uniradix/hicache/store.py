@@ -85,6 +85,10 @@ class L3Store(Writing):
         self.counters = dict(saved_objects=0, saved_bytes=0, loaded_objects=0, loaded_bytes=0, corrupt=0,
                              unauthenticated=0, deleted=0, failed_sets=0, errors=0, loads=0, failed_loads=0,
                              lost=0)  # lost: believed stored, found missing (written again)
+        # the reads of loads, whatever became of them: backend.batch_get calls, the objects
+        # they asked for, the bytes they returned (headers included) and their wall
+        # seconds; fetch_s: the whole read of a load (keys, batch_get, checks; not the hit)
+        self.counters.update(get_calls=0, get_objects=0, get_bytes=0, get_s=0.0, fetch_s=0.0)
         self._lock = threading.Lock()
         self._known: OrderedDict = OrderedDict()  # hash(key) -> when the store last confirmed it
         self._known_max = known_keys
@@ -276,6 +280,13 @@ class L3Store(Writing):
         if b % self.P or start % self.P:
             raise ValueError(f"boundary {b} and start {start} must be page-aligned ({self.P})")
         self._count("loads")
+        t0 = time.perf_counter()
+        try:
+            return self._read_objects(tokens, b, pages, state_slot, salt, start, keys, later)
+        finally:
+            self._count("fetch_s", time.perf_counter() - t0)
+
+    def _read_objects(self, tokens, b, pages, state_slot, salt, start, keys, later):
         ns = self._ns(salt)
         seed = ns.seed()
         if keys is None:
@@ -306,7 +317,15 @@ class L3Store(Writing):
             plan.append((self.cache.pools[self.ckpt.index], [state_slot],
                          [component_key(keys[-1], self.ckpt.name)], False))
         all_keys = [k for _, _, ks, _ in plan for k in ks]
+        t0 = time.perf_counter()
         data = self.backend.batch_get(all_keys)
+        got_s = time.perf_counter() - t0
+        with self._lock:
+            c = self.counters
+            c["get_calls"] += 1
+            c["get_objects"] += len(all_keys)
+            c["get_bytes"] += sum(len(d) for d in data if d is not None)
+            c["get_s"] += got_s
         blobs, bad, absent, i, foreign = [], [], [], 0, 0
         for j, (target, _, ks, sidecar) in enumerate(plan):
             n = sidecar_row_nbytes(target) if sidecar else handle_nbytes(target)

@@ -9,6 +9,7 @@ the caller's current stream wait on it, and never blocks the host on the device.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ import torch
 
 from ..memory.host import HandleCopy
 from ..memory.pool import HandlePool
+from .codec import handle_nbytes, sidecar_row_nbytes
 
 __all__ = ["CopyJob", "LayerwiseLoad", "TransferError"]
 
@@ -42,7 +44,13 @@ class LayerwiseLoad:
     raised, as a `TransferError`, by every `wait` after it. The handles must stay
     allocated, and the destination rows unread, until the layers that hold them are
     waited for. `on_layer_copied(layer)` runs on the copy thread once a layer's copies are
-    done (on CUDA: queued), just before `wait(layer)` may return."""
+    done (on CUDA: queued), just before `wait(layer)` may return.
+
+    What it moved and how long that took, once it has ended: `nbytes` (the rows of every
+    non-empty job, sidecars included), `copy_s` (the copy thread's wall time from its
+    first copy to its last: on CUDA the time to queue them) and `cpu_s` (that thread's
+    CPU time over the same span; torch's intra-op workers, with more than one thread,
+    are not in it)."""
 
     def __init__(self, jobs: list[CopyJob], layer_ids: list[int], *,
                  on_layer_copied: Callable[[int], None] | None = None):
@@ -56,6 +64,10 @@ class LayerwiseLoad:
                 raise ValueError(f"LayerwiseLoad: pool {c.dst.name!r} has layers {missing} "
                                  f"that are not in the load's layers {list(self._layer_ids)}")
         live = [c for c in copies if not c.empty]
+        self.nbytes = sum(len(j.src_handles) * (handle_nbytes(j.src) + sum(
+            sidecar_row_nbytes(sc) for sc in getattr(j.src, "sidecars", {}).values()))
+            for j, c in zip(jobs, copies) if not c.empty)
+        self.copy_s = self.cpu_s = 0.0
         self._plan = [(lid, [c for c in live if lid in c.dst.layer_ids]) for lid in self._layer_ids]
         devices = {c.dst.device for c in live if c.dst.device.type == "cuda"}
         if len(devices) > 1:
@@ -131,6 +143,7 @@ class LayerwiseLoad:
         return self._error
 
     def _run(self) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             if self._device is None:
                 self._copy_layers()
@@ -142,6 +155,7 @@ class LayerwiseLoad:
             for ready in self._ready.values():  # wake every waiter: they raise
                 ready.set()
         finally:
+            self.copy_s, self.cpu_s = time.perf_counter() - t0, time.thread_time() - c0
             self._finished.set()
 
     def _copy_layers(self) -> None:
