@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes.util
-import importlib.util
 import os
 import shutil
 import signal
@@ -81,14 +80,8 @@ def redis_binary() -> str | None:
 def mooncake_binary() -> str | None:
     """The mooncake_master inside the `mooncake` package (the console script only execs
     it), else one on PATH; None without it."""
-    spec = importlib.util.find_spec("mooncake")
-    for d in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(d, "mooncake_master")
-        if os.path.isfile(path):
-            if not os.access(path, os.X_OK):
-                os.chmod(path, os.stat(path).st_mode | 0o111)
-            return path
-    return shutil.which("mooncake_master")
+    from uniradix.hicache.backends.mooncake_client import master_binary
+    return master_binary()
 
 
 def mooncake_missing() -> str | None:

@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes.util
-import importlib.util
-import os
-import shutil
 import socket
 
 from service_process import HOST, ServiceProcess, free_port, missing
@@ -47,14 +44,8 @@ DEFAULT_FLAGS = (
 
 def master_binary() -> str:
     """The mooncake_master executable, or skip/fail saying what to install."""
-    spec = importlib.util.find_spec("mooncake")
-    for d in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(d, "mooncake_master")
-        if os.path.isfile(path):
-            if not os.access(path, os.X_OK):
-                os.chmod(path, os.stat(path).st_mode | 0o111)
-            return path
-    path = shutil.which("mooncake_master")
+    from uniradix.hicache.backends.mooncake_client import master_binary as find
+    path = find()
     if path:
         return path
     missing(f"mooncake_master not found: pip install {PIP_PACKAGE}")

@@ -28,7 +28,10 @@ addresses.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
+import os
+import shutil
 import socket
 import threading
 import time
@@ -51,6 +54,21 @@ CODE_NAMES = {-1: "INTERNAL_ERROR", -10: "BUFFER_OVERFLOW", -101: "SEGMENT_NOT_F
               -200: "NO_AVAILABLE_HANDLE", -600: "INVALID_PARAMS", -700: "INVALID_WRITE",
               -701: "INVALID_READ", -704: "OBJECT_NOT_FOUND", -706: "OBJECT_HAS_LEASE",
               -708: "OBJECT_HAS_REPLICATION_TASK", -800: "TRANSFER_FAIL", **UNAVAILABLE}
+
+
+def master_binary() -> str | None:
+    """The mooncake_master executable: the one inside the `mooncake` package (its console
+    script only execs it; made executable where a wheel left it without the bit), else
+    one on PATH; None without either. For whoever starts a master (the tests, the
+    benchmarks): a server only connects to one."""
+    spec = importlib.util.find_spec("mooncake")
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(d, "mooncake_master")
+        if os.path.isfile(path):
+            if not os.access(path, os.X_OK):
+                os.chmod(path, os.stat(path).st_mode | 0o111)
+            return path
+    return shutil.which("mooncake_master")
 
 
 def _code(rc: int) -> str:

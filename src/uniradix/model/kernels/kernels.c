@@ -419,6 +419,23 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* A tile row's end: the panel's first nw outputs v (the blocks' sums) plus, where the
+   format has offsets, sum_g c_g (d_b sum(q))_g in group order (sr: this activation row's
+   group sums), plus the bias, stored at y[n0 ..]. */
+static inline void qstore(const int nw, float *v, const float *c, const float *sr, int64_t ng, const float *bias,
+                          int64_t n0, float *y) {
+    if (c) {
+        float cs[PW] = {0.0f};
+        for (int64_t g = 0; g < ng; g++)
+            for (int j = 0; j < nw; j++) cs[j] = fmaf(c[g * PW + j], sr[g], cs[j]);
+        for (int j = 0; j < nw; j++) v[j] += cs[j];
+    }
+    for (int j = 0; j < nw; j++) {
+        if (bias) v[j] += bias[n0 + j];
+        y[n0 + j] = v[j];
+    }
+}
+
 #if defined(UR_AVX512) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 /* AVX-512: two weight rows' blocks side by side in one vector, lanes 0-7 row j's eight
    dots laid out exactly as the AVX2 tile lays them (qcodes, qdot), lanes 8-15 row
@@ -491,22 +508,12 @@ static inline __attribute__((always_inline)) void qtile(
         }
     }
     for (int r = 0; r < mr; r++) {
-        float v[PW], cs[PW];
+        float v[PW];
         for (int h = 0; h < 2; h++) {
             v[2 * h] = hsum8(_mm512_castps512_ps256(acc[r][h]));
             v[2 * h + 1] = hsum8(_mm512_extractf32x8_ps(acc[r][h], 1));
         }
-        for (int j = 0; j < PW; j++) cs[j] = 0.0f;
-        if (c) {
-            const float *sr = s + r * ng;
-            for (int64_t g = 0; g < ng; g++)
-                for (int j = 0; j < PW; j++) cs[j] = fmaf(c[g * PW + j], sr[g], cs[j]);
-            for (int j = 0; j < PW; j++) v[j] += cs[j];
-        }
-        for (int j = 0; j < nw; j++) {
-            if (bias) v[j] += bias[n0 + j];
-            y[r * ldy + n0 + j] = v[j];
-        }
+        qstore(nw, v, c, s + r * ng, ng, bias, n0, y + r * ldy);
     }
 }
 
@@ -548,18 +555,9 @@ static inline __attribute__((always_inline)) void qtile(
         }
     }
     for (int r = 0; r < mr; r++) {
-        float v[PW], cs[PW];
-        for (int j = 0; j < nw; j++) { v[j] = hsum8(acc[r][j]); cs[j] = 0.0f; }
-        if (c) {
-            const float *sr = s + r * ng;
-            for (int64_t g = 0; g < ng; g++)
-                for (int j = 0; j < nw; j++) cs[j] = fmaf(c[g * PW + j], sr[g], cs[j]);
-            for (int j = 0; j < nw; j++) v[j] += cs[j];
-        }
-        for (int j = 0; j < nw; j++) {
-            if (bias) v[j] += bias[n0 + j];
-            y[r * ldy + n0 + j] = v[j];
-        }
+        float v[PW];
+        for (int j = 0; j < nw; j++) v[j] = hsum8(acc[r][j]);
+        qstore(nw, v, c, s + r * ng, ng, bias, n0, y + r * ldy);
     }
 }
 
