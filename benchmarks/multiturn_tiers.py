@@ -12,7 +12,7 @@ of the same bytes in the same run.
     taskset -c 0 python benchmarks/multiturn_tiers.py --model-path gemma-3-270m-q4_k_m.gguf \
         --dtype bfloat16 --quantization none --storage redis --clients 8 --rounds 8 \
         --first-round-tokens 256 --tokens-per-round 64 --output-tokens 4 \
-        --max-total-tokens 2048 --hicache-ratio 2 --repeats 1 --threads 1
+        --max-total-tokens 2304 --hicache-ratio 2 --repeats 1 --threads 1
     taskset -c 0 python benchmarks/multiturn_tiers.py --model-path gemma-3-270m-q4_k_m.gguf \
         --dtype bfloat16 --quantization none --storage mooncake ... (the same)
 

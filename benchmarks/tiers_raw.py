@@ -3,7 +3,8 @@ the same bytes cost with nothing of the engine around them.
 
 - L2 (host -> device): a plain torch copy (`dst.copy_(src)`, a memcpy on the CPU) of
   blocks the size of the engine's mean load, as many times as the bytes the engine
-  loaded (bounded by `max_s`), on the run's torch threads.
+  loaded (bounded by `max_s`), on the run's torch threads, cycling over up to 512 MB so
+  that the bytes are not in the CPU's caches (the engine's come from a large pool).
 - L3 (store -> host): values of the engine's mean object size, written under keys of
   their own and read straight from the store's client in batches of the engine's mean
   objects per read: redis-py's GET in one pipeline per batch (the Redis backend's one
@@ -23,21 +24,28 @@ import time
 #: the most distinct values a raw L3 read cycles over (their bytes are also bounded)
 MAX_VALUES = 4096
 MAX_VALUE_BYTES_TOTAL = 256 << 20
+#: the bytes a raw memcpy cycles over (well past a CPU's last-level cache)
+MEMCPY_SPAN = 512 << 20
 
 
 def memcpy_bps(block_bytes: int, total_bytes: int, max_s: float = 3.0) -> float | None:
     """Bytes per second of torch copies of `block_bytes`, repeated until `total_bytes`
-    were copied or `max_s` passed (after one copy to warm the buffers)."""
+    were copied or `max_s` passed. The blocks are taken in turn from buffers of up to
+    MEMCPY_SPAN bytes (each touched once first), so that, like the engine's loads from
+    a large host pool, a copy does not find its bytes in the CPU's caches."""
     import torch
     if block_bytes <= 0 or total_bytes <= 0:
         return None
-    src = torch.ones(block_bytes, dtype=torch.uint8)
+    n = max(1, min(total_bytes, MEMCPY_SPAN) // block_bytes)
+    src = torch.ones(n * block_bytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    done, t0 = 0, time.perf_counter()
+    done, i, t0 = 0, 0, time.perf_counter()
     while done < total_bytes:
-        dst.copy_(src)
+        lo = i * block_bytes
+        dst[lo:lo + block_bytes].copy_(src[lo:lo + block_bytes])
         done += block_bytes
+        i = (i + 1) % n
         if time.perf_counter() - t0 > max_s:
             break
     return done / (time.perf_counter() - t0)
