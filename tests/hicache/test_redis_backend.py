@@ -86,7 +86,7 @@ def test_checking_keys_keeps_them_in_an_lru_store():
     under maxmemory-policy allkeys-lru a hot prefix (served from the device, so only
     ever checked by each write, never read) aged and was the first evicted, and a fresh
     server could not resume it. The check is now a use (TOUCH): the colder keys go."""
-    with redis_server("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "10") as s, \
+    with redis_server("--maxmemory", "4mb", "--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "64") as s, \
             RedisBackend(s.url) as b:
         value = b"v" * 16384
         hot, cold, more = keys(20, ns="hot"), keys(100, ns="cold"), keys(120, ns="more")
