@@ -65,7 +65,8 @@ def test_every_instruction_set_gives_the_same_bits(march):
     except kernels.build.BuildError as err:
         pytest.skip(f"cannot build the kernels for {march}: {err}")
     with other:
-        assert kernels.lib() is other.lib and kernels.lib().ur_isa().decode() != kernels.describe()
+        assert kernels.lib() is other.lib   # the other build runs: its own paths, named so
+        assert kernels.lib().ur_isa().decode() == {"x86-64-v3": "avx2", "x86-64": "scalar"}[march]
         there = every_kernel()
     assert kernels.lib() is not other.lib
     assert len(here) == len(there)

@@ -35,7 +35,6 @@ _state = {"tried": False, "why": "", "off": 0}
 
 _i64, _f32, _int, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
-    "ur_linear": [_p, _i64, _i64, _i64, _p, _int, _i64, _p, _p, _i64, _int],
     "ur_linear_io": [_p, _int, _i64, _i64, _i64, _p, _int, _i64, _p, _p, _int, _i64, _int],
     "ur_elementwise": [_int, _p, _p, _i64, _f32, _int],
     "ur_attention": [_p, _i64, _i64, _i64, _p, _p, _int, _i64, _p, _p, _p, _f32, _p, _p, _int],
@@ -43,7 +42,6 @@ _SIGNATURES = {
     "ur_ssm_scan": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
     "ur_linear_q": [_p, _i64, _i64, _i64, _p, _p, _p, _int, _i64, _i64, _p, _p, _i64, _int],
     "ur_rows_q": [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p],
-    "ur_rms_norm": [_p, _p, _i64, _i64, _p, _f32, _int],
     "ur_rms_norm_io": [_p, _int, _p, _int, _i64, _i64, _p, _f32, _int],
 }
 
@@ -98,7 +96,7 @@ class off:
 class isa:
     """`with kernels.isa("x86-64-v3"):` the kernels built for another CPU level (-march)
     for what runs inside: on an AVX-512 machine its AVX2 paths (x86-64-v3) or the scalar
-    ones (x86-64), which must give the same bits (tests/model/test_kernels.py), or an A/B
+    ones (x86-64), which must give the same bits (tests/model/hf/test_instruction_sets.py), or an A/B
     run of one against the other in one process. Process-wide while it lasts; raises
     build.BuildError where that level cannot be built."""
 
