@@ -12,6 +12,23 @@ from uniradix.memory import (
     host_mirror,
     host_sizes,
 )
+from uniradix.memory import rows as row_copy
+
+
+@pytest.fixture(params=["c", "torch"])
+def copy_path(request, monkeypatch):
+    """Each copy test twice: through memory/rows.c (counted, so a test that never reached
+    it fails) and through torch's gather and scatter."""
+    calls = []
+    if request.param == "c":
+        assert row_copy.available()
+        fn = row_copy._state["fn"]
+        monkeypatch.setitem(row_copy._state, "fn", lambda *a: (calls.append(a), fn(*a)))
+    else:
+        monkeypatch.setattr(row_copy, "_state", {"tried": True, "fn": None})
+    yield request.param
+    if request.param == "c":
+        assert calls, "the C row copy was never called"
 
 
 def kv_pool(dtype=torch.float32, size=10, **kw):
@@ -123,7 +140,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", MAKERS)
-def test_device_to_host_to_fresh_device_handles_is_bit_exact(kind, dtype, device):
+def test_device_to_host_to_fresh_device_handles_is_bit_exact(kind, dtype, device, copy_path):
     dev = with_sidecars(MAKERS[kind](dtype, device=device))
     fill(dev, 0)
     held = dev.alloc(4)
@@ -150,7 +167,7 @@ def test_device_to_host_to_fresh_device_handles_is_bit_exact(kind, dtype, device
 
 
 @pytest.mark.parametrize("kind", MAKERS)
-def test_layer_by_layer_equals_one_whole_copy_and_moves_sidecars_once(kind):
+def test_layer_by_layer_equals_one_whole_copy_and_moves_sidecars_once(kind, copy_path):
     src = with_sidecars(MAKERS[kind](torch.bfloat16))
     fill(src, 0)
     a, b = host_mirror(src, 9), host_mirror(src, 9)

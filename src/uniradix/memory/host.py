@@ -13,6 +13,7 @@ from ..config import finite_number
 from .budget import handle_count
 from .kv import KVPool
 from .mamba import MambaStatePool
+from . import rows as _rows
 from .pool import HandlePool
 from .sidecar import SidecarPool
 
@@ -105,6 +106,7 @@ class HandleCopy:
             raise ValueError(f"copy {dst.name!r}: a destination handle is listed more than once")
         self.src, self.dst = src, dst
         self._handles = {"src": si.astype(np.int64), "dst": di.astype(np.int64)}
+        self._rows = None  # the C row copies' layouts, found on the first run (see _row_plan)
         self._index: dict[tuple[str, torch.device], torch.Tensor] = {}
         self.empty = si.shape[0] == 0 or src.accounting_only
 
@@ -114,6 +116,11 @@ class HandleCopy:
             src._layer(layer_id)  # the error for a layer the pool does not hold
         if self.empty:
             return
+        if self._rows is None:
+            self._rows = self._row_plan()
+        if self._rows:
+            self._run_rows(layer_id)
+            return
         if layer_id is None:
             parts = [(s, d, 1) for s, d in zip(src.handle_tensors(), dst.handle_tensors())]
         else:
@@ -122,6 +129,31 @@ class HandleCopy:
             parts += [(sc.tensor, dst.sidecars[name].tensor, 0) for name, sc in src.sidecars.items()]
         for s, d, dim in parts:
             self._move(s, d, dim, non_blocking)
+
+    def _row_plan(self):
+        """Both pools on the CPU: each tensor's rows copied by one C call (memory/rows.c)
+        a layer, its layout found once for the whole load; False where one does not
+        apply (torch copies instead)."""
+        src, dst = self.src, self.dst
+        pairs = [(s, d, 1) for s, d in zip(src.handle_tensors(), dst.handle_tensors())]
+        pairs += [(sc.tensor, dst.sidecars[name].tensor, 0) for name, sc in src.sidecars.items()]
+        plan = [(s, d, dim, _rows.layout(s, d, dim)) for s, d, dim in pairs]
+        if any(lay is None for *_, lay in plan):
+            return False
+        sb, db = (_rows.bounds(self._handles[side]) for side in ("src", "dst"))
+        for s, d, dim, _ in plan:
+            _rows.check(s.shape[dim], sb, d.shape[dim], db)
+        return plan
+
+    def _run_rows(self, layer_id) -> None:
+        si, di = self._handles["src"], self._handles["dst"]
+        first = layer_id is None or layer_id == self.src.layer_ids[0]
+        outer = None if layer_id is None else self.src._layer(layer_id)
+        for s, d, dim, lay in self._rows:
+            if dim == 1:
+                _rows.run(s, si, d, di, lay, outer)
+            elif first:  # a sidecar rides with the first layer
+                _rows.run(s, si, d, di, lay)
 
     def _idx(self, side: str, device: torch.device) -> torch.Tensor:
         t = self._index.get((side, device))
