@@ -51,7 +51,8 @@ CPU this process may use; the client runs on the others; what a server starts in
 the pin): uniradix with OMP_NUM_THREADS=1 (one torch thread); vLLM binds its one OpenMP
 thread there (VLLM_CPU_OMP_THREADS_BIND; its front-end process shares the CPU) and gets
 the LD_PRELOAD its CPU install guide asks for (tcmalloc, apt libtcmalloc-minimal4, and
-the venv's libiomp5, where present); llama.cpp runs `--n_threads 1 --n_threads_batch 1`.
+the venv's libiomp5, where present); llama.cpp runs `--n_threads 1 --n_threads_batch 1 --logits_all false` (the server's
+default, true, runs every prompt row through the 262k-word head: not how chat is served).
 Repeats are interleaved (A B ... then ... B A), each server starts fresh (cold cache) for
 each, one warm-up request first; the tables give medians over the repeats, and the ratios
 are medians of the ratios of the two sides run back to back. Every server is stopped by
@@ -201,7 +202,8 @@ def command(s: Server, a, port: int) -> tuple[list[str], dict]:
         cmd = [a.llamacpp_python, "-m", "llama_cpp.server", "--model", a.gguf, "--host", "127.0.0.1",
                "--port", str(port), "--n_ctx", str(a.context), "--n_threads", "1", "--n_threads_batch", "1",
                "--interrupt_requests", "false", "--chat_format", "gemma", "--verbose", "true",
-               *shlex.split(a.llamacpp_args)]
+               # as a chat user runs it: its default (true) puts every prompt row through the head
+               "--logits_all", "false", *shlex.split(a.llamacpp_args)]
     return cmd, env
 
 
