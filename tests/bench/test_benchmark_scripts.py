@@ -102,3 +102,19 @@ def test_serve_vs_peers_dry_run_serves_chat_over_http_and_compares(tmp_path):
                 assert b"serve" not in f.read()
         except FileNotFoundError:
             pass
+
+
+def test_llama_cpp_is_run_as_chat_is_served(monkeypatch):
+    """serve_vs_peers starts llama.cpp's server with --logits_all false (its default, true,
+    puts every prompt row through the head, which no chat user asks for), and flags given
+    with --llamacpp-args come after it, so they win."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import serve_vs_peers as svp
+    ap = __import__("argparse").ArgumentParser()
+    svp.add_server_args(ap, vllm_kv_gib=2, request_timeout=60)
+    for extra, want in (([], "false"), (["--llamacpp-args", "--logits_all true"], "true")):
+        a = ap.parse_args(extra)
+        a.gguf, a.context, a.server_cpus = "model.gguf", 4096, None
+        cmd, _ = svp.command(svp.SERVERS["llamacpp"], a, 8000)
+        flags = [cmd[i + 1] for i, c in enumerate(cmd) if c == "--logits_all"]
+        assert flags[0] == "false" and flags[-1] == want
