@@ -40,6 +40,14 @@ def mamba_pool(dtype=torch.float32, size=8, **kw):
                           name="mamba", **kw)
 
 
+def mamba_of_two_shapes(dtype=torch.float32, size=8, **kw):
+    """Layers of different shapes: each shape's layers share buffers of their own, so a
+    layer's place in its buffer is not its place among the pool's layers."""
+    a = ((3, 2), (2, 2, 4), dtype, torch.float32)
+    b = ((5, 3), (4, 6), torch.float32, dtype)
+    return MambaStatePool([1, 3, 5], size, layer_shapes={1: a, 3: b, 5: a}, name="mamba", **kw)
+
+
 MAKERS = {"kv": kv_pool, "mamba": mamba_pool}
 
 
@@ -191,6 +199,28 @@ def test_layer_by_layer_equals_one_whole_copy_and_moves_sidecars_once(kind, copy
         copy_handles(src, sh, b, hb, layer_id=lid)
     assert same(rows(b, hb)[:n_own], rows(src, sh)[:n_own])
     assert same(snapshot(b), snapshot(a))
+
+
+@pytest.mark.parametrize("kind", [*MAKERS, "mamba of two shapes"])
+def test_a_layer_copy_writes_that_layers_rows_and_nothing_else(kind, copy_path):
+    """Layer by layer, each run writes exactly the layer's rows of the handles asked for,
+    wherever the pool keeps that layer; every other byte of the destination stays."""
+    make = MAKERS.get(kind, mamba_of_two_shapes)
+    src = make(torch.bfloat16)
+    fill(src, 0)
+    dst = host_mirror(src, 9)
+    fill(dst, 1)
+    sh, hh = src.alloc(3), dst.alloc(5)[1:4]
+    idx_s, idx_d = torch.tensor(list(sh)), torch.tensor(list(hh))
+    before = {lid: [t.clone() for t in dst.layer_tensors(lid)] for lid in src.layer_ids}
+    for n, lid in enumerate(src.layer_ids):
+        copy_handles(src, sh, dst, hh, layer_id=lid)
+        for k, other in enumerate(src.layer_ids):
+            for s, d, old in zip(src.layer_tensors(other), dst.layer_tensors(other), before[other]):
+                want = old.clone()
+                if k <= n:  # copied by now
+                    want[idx_d] = s[idx_s]
+                assert torch.equal(d, want), (lid, other)
 
 
 def test_mismatched_pools_and_handles_are_refused():

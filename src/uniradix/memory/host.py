@@ -106,54 +106,51 @@ class HandleCopy:
             raise ValueError(f"copy {dst.name!r}: a destination handle is listed more than once")
         self.src, self.dst = src, dst
         self._handles = {"src": si.astype(np.int64), "dst": di.astype(np.int64)}
-        self._rows = None  # the C row copies' layouts, found on the first run (see _row_plan)
+        self._rows: dict = {}  # the C row copies' plan per layer id (None: whole handles)
         self._index: dict[tuple[str, torch.device], torch.Tensor] = {}
         self.empty = si.shape[0] == 0 or src.accounting_only
 
     def run(self, layer_id=None, *, non_blocking: bool = False) -> None:
-        src, dst = self.src, self.dst
         if layer_id is not None:
-            src._layer(layer_id)  # the error for a layer the pool does not hold
+            self.src._layer(layer_id)  # the error for a layer the pool does not hold
         if self.empty:
             return
-        if self._rows is None:
-            self._rows = self._row_plan()
-        if self._rows:
-            self._run_rows(layer_id)
+        plan = self._rows.get(layer_id)
+        if plan is None:
+            plan = self._rows[layer_id] = self._row_plan(self._parts(layer_id))
+        if plan:
+            si, di = self._handles["src"], self._handles["dst"]
+            for s, d, lay in plan:
+                _rows.run(s, si, d, di, lay)
             return
+        for s, d, dim in self._parts(layer_id):
+            self._move(s, d, dim, non_blocking)
+
+    def _parts(self, layer_id) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """(source, destination, the dim handles index) of every tensor this run copies:
+        the whole handles of the pools' buffers, or one layer's rows of them (the pool
+        says where a layer lies: layers of different shapes live in buffers of their
+        own); the sidecars with the first layer."""
+        src, dst = self.src, self.dst
         if layer_id is None:
             parts = [(s, d, 1) for s, d in zip(src.handle_tensors(), dst.handle_tensors())]
         else:
             parts = [(s, d, 0) for s, d in zip(src.layer_tensors(layer_id), dst.layer_tensors(layer_id))]
         if layer_id is None or layer_id == src.layer_ids[0]:
             parts += [(sc.tensor, dst.sidecars[name].tensor, 0) for name, sc in src.sidecars.items()]
-        for s, d, dim in parts:
-            self._move(s, d, dim, non_blocking)
+        return parts
 
-    def _row_plan(self):
-        """Both pools on the CPU: each tensor's rows copied by one C call (memory/rows.c)
-        a layer, its layout found once for the whole load; False where one does not
-        apply (torch copies instead)."""
-        src, dst = self.src, self.dst
-        pairs = [(s, d, 1) for s, d in zip(src.handle_tensors(), dst.handle_tensors())]
-        pairs += [(sc.tensor, dst.sidecars[name].tensor, 0) for name, sc in src.sidecars.items()]
-        plan = [(s, d, dim, _rows.layout(s, d, dim)) for s, d, dim in pairs]
+    def _row_plan(self, parts):
+        """Both pools on the CPU: each tensor's rows copied by one C call (memory/rows.c),
+        its layout and the indices' bounds checked once a layer a load; False where one
+        does not apply (torch copies instead)."""
+        plan = [(s, d, _rows.layout(s, d, dim)) for s, d, dim in parts]
         if any(lay is None for *_, lay in plan):
             return False
         sb, db = (_rows.bounds(self._handles[side]) for side in ("src", "dst"))
-        for s, d, dim, _ in plan:
+        for s, d, dim in parts:
             _rows.check(s.shape[dim], sb, d.shape[dim], db)
         return plan
-
-    def _run_rows(self, layer_id) -> None:
-        si, di = self._handles["src"], self._handles["dst"]
-        first = layer_id is None or layer_id == self.src.layer_ids[0]
-        outer = None if layer_id is None else self.src._layer(layer_id)
-        for s, d, dim, lay in self._rows:
-            if dim == 1:
-                _rows.run(s, si, d, di, lay, outer)
-            elif first:  # a sidecar rides with the first layer
-                _rows.run(s, si, d, di, lay)
 
     def _idx(self, side: str, device: torch.device) -> torch.Tensor:
         t = self._index.get((side, device))

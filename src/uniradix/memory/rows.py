@@ -74,16 +74,13 @@ def check(src_rows: int, si_bounds: tuple[int, int], dst_rows: int, di_bounds: t
         raise IndexError(f"row copy: index out of range (rows {src_rows} and {dst_rows})")
 
 
-def run(src: torch.Tensor, si: np.ndarray, dst: torch.Tensor, di: np.ndarray, lay, outer: int | None = None) -> None:
-    """The copy `layout` described, of every outer slice or only slice `outer` (a layer
-    of [layers, size, ...]), with indices already `check`ed: C-contiguous int64 arrays
-    of equal length, `di` without repeats."""
+def run(src: torch.Tensor, si: np.ndarray, dst: torch.Tensor, di: np.ndarray, lay) -> None:
+    """The copy `layout` described, with indices already `check`ed: C-contiguous int64
+    arrays of equal length, `di` without repeats."""
     n_outer, so, sr, do, dr, row = lay
-    sp, dp = src.data_ptr(), dst.data_ptr()
-    if outer is not None:
-        sp, dp, n_outer = sp + outer * so, dp + outer * do, 1
     if len(si):
-        _state["fn"](sp, so, sr, si.ctypes.data, dp, do, dr, di.ctypes.data, len(si), n_outer, row)
+        _state["fn"](src.data_ptr(), so, sr, si.ctypes.data, dst.data_ptr(), do, dr, di.ctypes.data,
+                     len(si), n_outer, row)
 
 
 def copy(src: torch.Tensor, si: np.ndarray, dst: torch.Tensor, di: np.ndarray, dim: int) -> bool:
