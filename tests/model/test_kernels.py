@@ -316,3 +316,58 @@ def test_a_product_converts_its_input_and_rounds_its_output_as_torch_would(dtype
     assert y.dtype == dtype and y.shape == (7, N)
     assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[~y.isnan()], ref[~ref.isnan()])
     assert torch.isinf(y[0]).any() or torch.isnan(y[0]).any()
+
+
+def test_argmax_answers_as_torch_argmax():
+    """Greedy sampling's argmax: the first of equal maxima, the first NaN where there is
+    one, -0.0 and 0.0 equal; and a view's row (a batch's logits split by request)."""
+    nan, inf = float("nan"), float("inf")
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(262_144, generator=g), torch.tensor([1.0, 3.0, 3.0, 2.0]), torch.tensor([nan, 1.0]),
+            torch.tensor([1.0, nan, 5.0, nan]), torch.tensor([-0.0, 0.0]), torch.tensor([0.0, -0.0]),
+            torch.tensor([-inf] * 3), torch.tensor([-1e30, inf, inf]), torch.tensor([2.0]),
+            torch.randint(-3, 3, (1000,), generator=g).float()]
+    batch = torch.randn(3, 777, generator=g)
+    rows += list(batch.split(1))[0:1] + [batch[2], batch[:, 5]]
+    for x in rows:
+        x = x.reshape(-1) if x.dim() > 1 else x
+        assert kernels.argmax(x) == int(torch.argmax(x)), x
+    with pytest.raises(ValueError):
+        kernels.argmax(torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rot", [64, 32], ids=["full", "partial"])
+def test_rope_is_torch_ops_bit_for_bit(dtype, rot):
+    """kernels.rope: x * cos + roll(x, rot / 2) * signed_sin on the first rot dims (the
+    rest passed through), each op rounded as torch rounds it, the same bits."""
+    g = torch.Generator().manual_seed(4)
+    N, H, d = 5, 3, 64
+    x = (torch.randn(N, H, d, generator=g) * 4).to(dtype)
+    ang = torch.randn(N, rot // 2, generator=g) * 3
+    cos = torch.cat((ang.cos(), ang.cos()), -1).to(dtype)
+    sin = torch.cat((-ang.sin(), ang.sin()), -1).to(dtype)
+    c, s = cos[:, None], sin[:, None]
+    xr = x[..., :rot]
+    want = torch.cat((xr * c + xr.roll(rot // 2, -1) * s, x[..., rot:]), -1)
+    got = kernels.rope(x, c, s)
+    assert got.dtype == dtype and torch.equal(got.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                                              want.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    assert torch.equal(kernels.rope(x[2:3], c[2:3], s[2:3]), got[2:3])  # a row alone: the same
+    with pytest.raises(ValueError):
+        kernels.rope(x, c.float() if dtype != torch.float32 else c.double(), s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm_with_a_residual_is_the_add_after_it(dtype):
+    """residual + rms_norm(x) in one call: the norm rounded to the residual's dtype, then
+    torch's add, bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(7, 300, generator=g).to(dtype)
+    res = (torch.randn(7, 300, generator=g) * 10).to(dtype)
+    w = torch.randn(300, generator=g)
+    want = res + kernels.rms_norm(x, w, 1e-6, dtype)
+    got = kernels.rms_norm(x, w, 1e-6, dtype, residual=res)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError):
+        kernels.rms_norm(x, w, 1e-6, dtype, residual=res.double())

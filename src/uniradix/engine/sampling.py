@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model import kernels
 from .request import SamplingParams
 
 
@@ -11,6 +12,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     the smallest set of those whose probability reaches top_p, renormalised, with the
     request's own generator."""
     if params.temperature == 0:
+        if logits.dtype is torch.float32 and logits.dim() == 1 and logits.device.type == "cpu" and kernels.available():
+            return kernels.argmax(logits)
         return int(torch.argmax(logits))
     logits = logits.double()
     if 0 < params.top_k < logits.shape[-1]:

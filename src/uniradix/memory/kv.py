@@ -33,6 +33,7 @@ class KVPool(HandlePool):
         self._shape = dict(page_size=self._page_size, num_kv_heads=self._num_kv_heads,
                            head_dim=self._head_dim, dtype=self._dtype)
         self._k = self._v = None
+        self._slots: dict = {}
         if not self._accounting_only:
             self._k, self._v = self._zeros()
 
@@ -82,3 +83,12 @@ class KVPool(HandlePool):
         i = self._layer(layer_id)
         self._require_tensors()
         return self._v[i]
+
+    def slots(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer by flat slot (page * page_size + offset): two
+        ``[num_pages * page_size, num_kv_heads, head_dim]`` views, made once a layer
+        (attention asks for them in every layer of every step)."""
+        hit = self._slots.get(layer_id)
+        if hit is None:
+            hit = self._slots[layer_id] = (self.k(layer_id).flatten(0, 1), self.v(layer_id).flatten(0, 1))
+        return hit

@@ -33,7 +33,8 @@ def every_kernel() -> list[torch.Tensor]:
     """Every kernel on inputs with tails everywhere: products (dense in three dtypes and
     every GGUF block format, 45 outputs: a padded last panel) at 1 to 9 rows (each row
     tiling of every path), attention over a pool (bfloat16, grouped heads, sinks,
-    windows), RMSNorm and the elementwise functions."""
+    windows; wide float32 and float16 heads), RMSNorm (with a residual too), RoPE, argmax
+    and the elementwise functions."""
     torch.manual_seed(11)
     N, K = 45, 512
     cases = [(kernels.PackedWeight((torch.randn(N, K) * 0.1).to(dt)), kernels.linear)
@@ -51,8 +52,19 @@ def every_kernel() -> list[torch.Tensor]:
     first[::3] = (count[::3] - 50).clamp(min=0)                   # every third row: a window of 50
     count = count - first
     out.append(kernels.attention(torch.randn(rows, H, d), kp, vp, keys, first, count, 0.3, torch.randn(H)))
+    # wide heads in float32 and float16 (d 150: the value columns in groups of 64 and 16,
+    # then a tail; keys taken two and four at a time, then one), decode-like rows
+    for dt in (torch.float32, torch.float16):
+        kp, vp = torch.randn(slots, 1, 150).to(dt), torch.randn(slots, 1, 150).to(dt)
+        out.append(kernels.attention(torch.randn(3, 4, 150), kp, vp, keys[:103], torch.tensor([0, 40, 0]),
+                                     torch.tensor([103, 61, 7]), 0.1))
     x = torch.randn(33, 130) * 3
     out.append(kernels.rms_norm(x, torch.randn(130), 1e-6))
+    out.append(kernels.rms_norm(x, torch.randn(130), 1e-6, torch.bfloat16, residual=x.to(torch.bfloat16)))
+    ang = torch.randn(33, 16)
+    out.append(kernels.rope(x.view(33, 2, 65)[..., :64].contiguous(), torch.cat((ang.cos(), ang.cos()), -1),
+                            torch.cat((-ang.sin(), ang.sin()), -1)))
+    out.append(torch.tensor([kernels.argmax(r) for r in x]))
     out += [kernels.elementwise(op, x * 4, 20.0) for op in kernels.OPS]
     return out
 

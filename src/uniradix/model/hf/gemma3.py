@@ -109,11 +109,11 @@ class Gemma3(HFModel):
         q, k = batch.rotate(self.rope[i], q, k)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale)
         a = self._proj(a.reshape(N, -1), p + "self_attn.o_proj")
-        x = x + rms_norm(a, w(p + "post_attention_layernorm.weight"), self.eps, 1.0, dtype=x.dtype)
+        x = rms_norm(a, w(p + "post_attention_layernorm.weight"), self.eps, 1.0, residual=x)
         h = rms_norm(x, w(p + "pre_feedforward_layernorm.weight"), self.eps, 1.0, dtype=self.dtype)
         g, u = self.projections(h, p + "mlp.gate_proj", p + "mlp.up_proj")
         m = linear(gelu_tanh(g) * u, w(p + "mlp.down_proj.weight"))
-        return x + rms_norm(m, w(p + "post_feedforward_layernorm.weight"), self.eps, 1.0, dtype=x.dtype)
+        return rms_norm(m, w(p + "post_feedforward_layernorm.weight"), self.eps, 1.0, residual=x)
 
     def _proj(self, h, name):
         """h @ W^T, plus the bias where the checkpoint has one (attention_bias)."""

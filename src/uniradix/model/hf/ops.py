@@ -108,16 +108,23 @@ def exp(x: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- norms
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, offset: float = 0.0,
-             dtype: torch.dtype | None = None) -> torch.Tensor:
+             dtype: torch.dtype | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm in float32, scaled by (offset + w) (offset 1.0: Gemma's and Qwen3-Next's
-    zero-centred weights), cast to `dtype` (default x's: the residual stream may be
-    wider than the model's dtype, HFModel.residual_dtype): x / sqrt(mean(x^2) + eps) *
-    scale, one kernel call (kernels.rms_norm; torch's rms_norm where the kernels are off,
-    several ops and ~30 us a call: a decode step normalises ~100 times)."""
+    zero-centred weights), cast to `dtype` (default x's, or the residual's: the residual
+    stream may be wider than the model's dtype, HFModel.residual_dtype): x / sqrt(mean(x^2)
+    + eps) * scale, one kernel call (kernels.rms_norm; torch's rms_norm where the kernels
+    are off, several ops and ~30 us a call: a decode step normalises ~100 times). With
+    `residual`, residual + that (a sandwich norm's residual add), in the same call where
+    the kernel takes the dtype."""
     scale = None if w is None else _norm_scale(w, offset)
+    dtype = dtype or (x.dtype if residual is None else residual.dtype)
     if _kernel(x):
-        return kernels.rms_norm(x, scale, eps, dtype or x.dtype)
-    return F.rms_norm(x.float(), (x.shape[-1],), scale, eps).to(dtype or x.dtype)
+        if residual is not None and residual.dtype is dtype and dtype in (torch.float32, torch.bfloat16):
+            return kernels.rms_norm(x, scale, eps, dtype, residual=residual.contiguous())
+        y = kernels.rms_norm(x, scale, eps, dtype)
+    else:
+        y = F.rms_norm(x.float(), (x.shape[-1],), scale, eps).to(dtype)
+    return y if residual is None else residual + y
 
 
 def rms_norm_llama(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -226,7 +233,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     the rest passed through (partial RoPE); cos [N, 1, rot] and the sin with its first
     half negated. HF's x * cos + rotate_half(x) * sin, where rotate_half(x) * sin =
     (-x2 * s, x1 * s) equals roll(x, half) * (-s, s) bit for bit, in three kernels
-    rather than seven."""
+    rather than seven (one, kernels.rope, where the kernels take x's dtype)."""
+    if _kernel(x) and x.dtype in (torch.float32, torch.bfloat16):
+        return kernels.rope(x, cos, signed_sin)
     rot = cos.shape[-1]
     if rot == x.shape[-1]:
         return x * cos + x.roll(rot // 2, -1) * signed_sin
@@ -405,7 +414,7 @@ def paged_attention(batch: Batch, spec, layer: int, q: torch.Tensor, k: torch.Te
     from spec.first_key). `sinks` [H]: per-head logits that join each softmax (gpt-oss).
     Returns [N, H, d]."""
     pool = batch.pools[spec.name]
-    kp, vp = pool.k(layer).flatten(0, 1), pool.v(layer).flatten(0, 1)   # [slots, KV, d] views
+    kp, vp = pool.slots(layer)                                          # [slots, KV, d] views
     plan = batch.plan(spec)
     kp.index_copy_(0, plan.write, k.to(kp.dtype))
     vp.index_copy_(0, plan.write, v.to(vp.dtype))

@@ -42,7 +42,8 @@ _SIGNATURES = {
     "ur_ssm_scan": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
     "ur_linear_q": [_p, _i64, _i64, _i64, _p, _p, _p, _int, _i64, _i64, _p, _p, _i64, _int],
     "ur_rows_q": [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p],
-    "ur_rms_norm_io": [_p, _int, _p, _int, _i64, _i64, _p, _f32, _int],
+    "ur_rms_norm_io": [_p, _int, _p, _int, _i64, _i64, _p, _f32, _p, _int],
+    "ur_rope": [_p, _p, _int, _i64, _i64, _i64, _i64, _p, _p],
 }
 
 
@@ -66,6 +67,7 @@ def _bind(path: str):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
     lib.ur_isa.restype = ctypes.c_char_p
+    lib.ur_argmax.argtypes, lib.ur_argmax.restype = [_p, _i64], _i64
     return lib
 
 
@@ -423,11 +425,14 @@ def elementwise(op: str, x: torch.Tensor, param: float = 0.0) -> torch.Tensor:
     return y if x.dtype is torch.float32 else y.to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, dtype: torch.dtype = torch.float32,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * w over the last dimension, in float32 (w float32 or
     None), each row's sum in one fixed order (kernels.c, ur_rms_norm), rounded to `dtype`
     (bfloat16 inside the call, as torch's .to() rounds): one call where torch's
-    composite takes several."""
+    composite takes several. With `residual` (x's shape, in `dtype`: float32 or
+    bfloat16), residual + that, as torch's add rounds it: the sandwich norms' residual
+    add in the same call."""
     n = x.shape[-1]
     xdt = _DTYPES.get(x.dtype)
     if xdt is None or not x.is_contiguous():
@@ -435,10 +440,42 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, dtype: torch.d
     if w is not None and (w.dtype is not torch.float32 or not w.is_contiguous() or w.numel() != n):
         raise ValueError(f"rms_norm: the scale must be {n} contiguous float32 values")
     out = torch.bfloat16 if dtype is torch.bfloat16 else torch.float32
+    if residual is not None and (residual.dtype is not dtype or dtype is not out or residual.shape != x.shape
+                                 or not residual.is_contiguous()):
+        raise ValueError(f"rms_norm: a residual must be contiguous float32 or bfloat16 of the input's shape, in "
+                         f"the output dtype ({dtype})")
     y = torch.empty(x.shape, dtype=out)
     lib().ur_rms_norm_io(x.data_ptr(), xdt, y.data_ptr(), _DTYPES[out], x.numel() // n if n else 0, n, _ptr(w),
-                         float(eps), torch.get_num_threads())
+                         float(eps), _ptr(residual), torch.get_num_threads())
     return y if dtype is out else y.to(dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """RoPE over x [N, heads, d] (float32 or bfloat16): x * cos + roll(x, rot / 2) *
+    signed_sin on the first rot dims of each head, the rest passed through, with cos and
+    the half-negated sin [N, rot] (or [N, 1, rot]) in x's dtype; each product and the sum
+    rounded as torch's ops round them, in one call where torch takes seven."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.dim() != 3:
+        raise ValueError("rope: x must be [N, heads, d] in float32 or bfloat16")
+    N, H, d = x.shape
+    rot = cos.shape[-1]
+    cos, signed_sin = cos.reshape(-1, rot), signed_sin.reshape(-1, rot)
+    if (rot % 2 or rot > d or cos.shape[0] != N or signed_sin.shape != cos.shape or cos.dtype != x.dtype
+            or signed_sin.dtype != x.dtype):
+        raise ValueError(f"rope: cos and sin must be [{N}, rot <= {d}] (rot even) in {x.dtype}")
+    x, cos, signed_sin = x.contiguous(), cos.contiguous(), signed_sin.contiguous()
+    y = torch.empty_like(x)
+    lib().ur_rope(x.data_ptr(), y.data_ptr(), _DTYPES[x.dtype], N, H, d, rot, cos.data_ptr(), signed_sin.data_ptr())
+    return y
+
+
+def argmax(x: torch.Tensor) -> int:
+    """torch.argmax of a 1-D float32 CPU tensor (the first of equal values, the first NaN),
+    in one C pass: greedy sampling over a 262k-word row in a tenth of torch's time."""
+    if x.dim() != 1 or x.dtype is not torch.float32 or x.device.type != "cpu":
+        raise ValueError("argmax: a 1-D float32 tensor on the CPU")
+    x = x.contiguous()
+    return int(lib().ur_argmax(x.data_ptr(), x.numel())) if x.numel() else int(torch.argmax(x))
 
 
 # ---------------------------------------------------------------------------- attention
@@ -518,5 +555,5 @@ def ssm_scan(x, dt, A, Bm, C, state) -> tuple[torch.Tensor, torch.Tensor]:
     return y, S
 
 
-__all__ = ["NR", "OPS", "BlockTable", "fuse", "isa", "off", "PackedWeight", "PackedExperts", "PackedQuant", "linear_q", "rms_norm", "available", "describe", "linear", "elementwise", "attention", "delta_rule",
+__all__ = ["NR", "OPS", "BlockTable", "fuse", "isa", "off", "PackedWeight", "PackedExperts", "PackedQuant", "linear_q", "rms_norm", "rope", "argmax", "available", "describe", "linear", "elementwise", "attention", "delta_rule",
            "ssm_scan", "lib"]

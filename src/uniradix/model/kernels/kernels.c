@@ -470,7 +470,21 @@ static inline __m512i qcodes2(const uint8_t *p, const int bits) {
     return u;
 }
 
-static inline __m512 qdot2(__m512i u, __m512i q, const int bits) {
+/* With VNNI, 8-bit codes u are read as u + 128 (one xor: dpbusd's unsigned operand) and
+   the lane's 128 sum(q) taken off by starting the sum from its negation (o, made once a
+   call: q8_offsets): u q exactly, the integers the sign trick below gives. */
+#if defined(__AVX512VNNI__)
+#define Q8_OFFSET 1
+#else
+#define Q8_OFFSET 0
+#endif
+
+static inline __m512 qdot2(__m512i u, __m512i q, const int bits, __m512i o) {
+#if Q8_OFFSET
+    if (bits == 8) return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(o, u, q));  /* u: the codes xor 0x80 */
+#else
+    (void)o;
+#endif
     if (bits == 8) {  /* |u| times q with u's sign: u q exactly */
         q = _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(u), _mm512_setzero_si512(), q);
         u = _mm512_abs_epi8(u);
@@ -482,8 +496,18 @@ static inline __m512 qdot2(__m512i u, __m512i q, const int bits) {
 #endif
 }
 
+#if Q8_OFFSET
+/* o for each row's blocks [M][K / 32][8]: -128 times the sum of each 4 activations. */
+static int32_t *q8_offsets(const int8_t *q, int64_t M, int64_t K) {
+    int32_t *o = malloc(sizeof(int32_t) * (size_t)(M * (K / 32) * 8 + 1));
+    for (int64_t i = 0; i < M * K / 4; i++)
+        o[i] = -128 * ((int32_t)q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
+    return o;
+}
+#endif
+
 static inline __attribute__((always_inline)) void qtile(
-        const int mr, const int nw, const int8_t *q, const float *d, const float *s, int64_t K,
+        const int mr, const int nw, const int8_t *q, const float *d, const float *s, const int32_t *qo, int64_t K,
         const uint8_t *codes, const float *a, const float *c, int bits, int64_t G,
         const float *bias, int64_t n0, float *y, int64_t ldy) {
     const int64_t nb = K / 32, ng = K / G, bb = qblock_bytes(bits);
@@ -496,15 +520,22 @@ static inline __attribute__((always_inline)) void qtile(
     for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *cb = codes + b * PW * bb;
-        const __m512i u0 = qcodes2(cb, bits), u1 = qcodes2(cb + 2 * bb, bits);
+        __m512i u0 = qcodes2(cb, bits), u1 = qcodes2(cb + 2 * bb, bits);
+        if (Q8_OFFSET && bits == 8) {
+            u0 = _mm512_xor_si512(u0, _mm512_set1_epi8((char)0x80));
+            u1 = _mm512_xor_si512(u1, _mm512_set1_epi8((char)0x80));
+        }
         const __m512 av = G == 32 ? _mm512_castps128_ps512(_mm_loadu_ps(a + b * PW))
                                   : _mm512_castps256_ps512(_mm256_loadu_ps(a + 2 * b * PW));
         const __m512 a0 = _mm512_permutexvar_ps(i0, av), a1 = _mm512_permutexvar_ps(i1, av);
         for (int r = 0; r < mr; r++) {
             const __m512i qv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q + r * K + b * 32)));
             const __m512 db = _mm512_set1_ps(d[r * nb + b]);   /* each lane's scale a d: one rounding, as AVX2's */
-            acc[r][0] = _mm512_fmadd_ps(qdot2(u0, qv, bits), _mm512_mul_ps(a0, db), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(qdot2(u1, qv, bits), _mm512_mul_ps(a1, db), acc[r][1]);
+            const __m512i o = Q8_OFFSET && bits == 8
+                ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qo + (r * nb + b) * 8)))
+                : _mm512_setzero_si512();
+            acc[r][0] = _mm512_fmadd_ps(qdot2(u0, qv, bits, o), _mm512_mul_ps(a0, db), acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(qdot2(u1, qv, bits, o), _mm512_mul_ps(a1, db), acc[r][1]);
         }
     }
     for (int r = 0; r < mr; r++) {
@@ -518,11 +549,12 @@ static inline __attribute__((always_inline)) void qtile(
 }
 
 static inline __attribute__((always_inline)) void qrows_bg(
-        const int bits, const int64_t G, int mr, int nw, const int8_t *q, const float *d, const float *s, int64_t K,
+        const int bits, const int64_t G, int mr, int nw, const int8_t *q, const float *d, const float *s,
+        const int32_t *qo, int64_t K,
         const uint8_t *codes, int64_t rb, const float *a, const float *c, const float *bias, int64_t n0, float *y,
         int64_t ldy) {
     (void)rb;
-#define Q(R) qtile(R, nw, q, d, s, K, codes, a, c, bits, G, bias, n0, y, ldy)
+#define Q(R) qtile(R, nw, q, d, s, qo, K, codes, a, c, bits, G, bias, n0, y, ldy)
     switch (mr) { case 4: Q(4); return; case 3: Q(3); return; case 2: Q(2); return; default: Q(1); return; }
 #undef Q
 }
@@ -562,9 +594,11 @@ static inline __attribute__((always_inline)) void qtile(
 }
 
 static inline __attribute__((always_inline)) void qrows_bg(
-        const int bits, const int64_t G, int mr, int nw, const int8_t *q, const float *d, const float *s, int64_t K,
+        const int bits, const int64_t G, int mr, int nw, const int8_t *q, const float *d, const float *s,
+        const int32_t *qo, int64_t K,
         const uint8_t *codes, int64_t rb, const float *a, const float *c, const float *bias, int64_t n0, float *y,
         int64_t ldy) {
+    (void)qo;
 #define Q(R, W) qtile(R, W, q, d, s, K, codes, rb, a, c, bits, G, bias, n0, y, ldy)
     if (mr == 2) {
         switch (nw) { case 4: Q(2, 4); return; case 3: Q(2, 3); return; case 2: Q(2, 2); return; default: Q(2, 1); return; }
@@ -576,10 +610,11 @@ static inline __attribute__((always_inline)) void qrows_bg(
 #endif
 
 /* One specialisation per format (bits, group), so that the inner loop has no branch. */
-static void qrows(int mr, int nw, const int8_t *q, const float *d, const float *s, int64_t K, const uint8_t *codes,
+static void qrows(int mr, int nw, const int8_t *q, const float *d, const float *s, const int32_t *qo, int64_t K,
+                  const uint8_t *codes,
                   int64_t rb, const float *a, const float *c, int bits, int64_t G, const float *bias, int64_t n0,
                   float *y, int64_t ldy) {
-#define B(BITS, GG) qrows_bg(BITS, GG, mr, nw, q, d, s, K, codes, rb, a, c, bias, n0, y, ldy)
+#define B(BITS, GG) qrows_bg(BITS, GG, mr, nw, q, d, s, qo, K, codes, rb, a, c, bias, n0, y, ldy)
     if (G == 16) { B(6, 16); return; }
     switch (bits) { case 8: B(8, 32); return; case 4: B(4, 32); return; case 5: B(5, 32); return; default: B(6, 32); return; }
 #undef B
@@ -595,11 +630,11 @@ static inline int qcode(const uint8_t *p, int bits, int i) {
     return u;
 }
 
-static void qrows(int mr, int nw, const int8_t *q, const float *d, const float *s, int64_t K,
+static void qrows(int mr, int nw, const int8_t *q, const float *d, const float *s, const int32_t *qo, int64_t K,
                   const uint8_t *codes, int64_t rb, const float *a, const float *c, int bits, int64_t G,
                   const float *bias, int64_t n0, float *y, int64_t ldy) {
     const int64_t nb = K / 32, bb = qblock_bytes(bits);
-    (void)mr; (void)rb; (void)ldy;
+    (void)mr; (void)rb; (void)ldy; (void)qo;
     for (int j = 0; j < nw; j++) {
         float acc[8] = {0};
         for (int64_t b = 0; b < nb; b++) {
@@ -637,6 +672,10 @@ void ur_linear_q(const float *x, int64_t M, int64_t K, int64_t ldx, const void *
     float *d = malloc(sizeof(float) * (size_t)(M * nb));
     float *s = malloc(sizeof(float) * (size_t)(M * ng));
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, G, q + m * K, d + m * nb, s + m * ng);
+    int32_t *qo = NULL;
+#if defined(UR_AVX512) && Q8_OFFSET
+    if (bits == 8) qo = q8_offsets(q, M, K);
+#endif
     const int64_t NC = 64;
     const int64_t chunks = (N + NC - 1) / NC;
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && chunks > 1)
@@ -646,12 +685,13 @@ void ur_linear_q(const float *x, int64_t M, int64_t K, int64_t ldx, const void *
             const int mr = M - m >= QROWS ? QROWS : (int)(M - m);
             for (int64_t n = ch * NC; n < n1; n += PW) {
                 const int nw = n1 - n >= PW ? PW : (int)(n1 - n);
-                qrows(mr, nw, q + m * K, d + m * nb, s + m * ng, K, (const uint8_t *)codes + n * rb, rb,
+                qrows(mr, nw, q + m * K, d + m * nb, s + m * ng, qo ? qo + m * nb * 8 : NULL, K,
+                      (const uint8_t *)codes + n * rb, rb,
                       a + n * ng, c ? c + n * ng : NULL, bits, G, bias, n, y + m * ldy, ldy);  /* n: a panel's first row */
             }
         }
     }
-    free(q); free(d); free(s);
+    free(q); free(d); free(s); free(qo);
 }
 
 /* Rows `ids` of a weight as stored, as float32 [n, K]: each weight fma(a, u, c) (a * u
@@ -680,6 +720,24 @@ void ur_rows_q(const void *codes, const float *a, const float *c, int bits, int6
     }
 }
 
+
+/* ------------------------------------------------------------------------ argmax */
+
+/* The index of the largest of x [n] (float32), the first where several are equal and the
+   first NaN where there is one: torch.argmax's answer, in one pass (torch's takes about
+   0.7 ms over a 262k-word row, as long as a small layer's products). */
+int64_t ur_argmax(const float *x, int64_t n) {
+    if (n <= 0) return -1;
+    int64_t best = 0;
+    float m = x[0];
+    if (m != m) return 0;
+    for (int64_t i = 1; i < n; i++) {
+        const float v = x[i];
+        if (v > m) { m = v; best = i; }
+        else if (v != v) return i;
+    }
+    return best;
+}
 
 /* ------------------------------------------------------------------------ elementwise */
 
@@ -791,18 +849,55 @@ void ur_rms_norm(const float *x, float *y, int64_t rows, int64_t n, const float 
 }
 
 /* ur_rms_norm with x in any of the three dtypes and y in float32 or bfloat16 (ydt), the
-   conversions inside the one call. */
+   conversions inside the one call; with res (ydt, [rows, n]), y = res + the norm rounded
+   to ydt, the sum rounded to ydt (a residual add: torch's add of the two, in one call). */
 void ur_rms_norm_io(const void *x, int xdt, void *y, int ydt, int64_t rows, int64_t n, const float *w, float eps,
-                    int nt) {
+                    const void *res, int nt) {
     float *owned, *tmp = NULL;
     int64_t lx;
     const float *xf = rows_f32(x, xdt, rows, n, n, &lx, &owned);
-    float *yf = ydt == DT_F32 ? (float *)y : (tmp = (float *)malloc(sizeof(float) * (size_t)(rows * n > 0 ? rows * n : 1)));
+    float *yf = ydt == DT_F32 && !res ? (float *)y
+                                      : (tmp = (float *)malloc(sizeof(float) * (size_t)(rows * n > 0 ? rows * n : 1)));
     ur_rms_norm(xf, yf, rows, n, w, eps, nt);
-    if (tmp)
+    if (tmp && ydt == DT_F32) {
+        for (int64_t i = 0; i < rows * n; i++) ((float *)y)[i] = ((const float *)res)[i] + tmp[i];
+    } else if (tmp && res) {
+        for (int64_t i = 0; i < rows * n; i++)
+            ((uint16_t *)y)[i] = f32_to_bf16(bf16_to_f32(((const uint16_t *)res)[i]) + bf16_to_f32(f32_to_bf16(tmp[i])));
+    } else if (tmp) {
         for (int64_t i = 0; i < rows * n; i++) ((uint16_t *)y)[i] = f32_to_bf16(tmp[i]);
+    }
     free(owned);
     free(tmp);
+}
+
+/* RoPE: y [rows, heads, d] = x (dtype dt, both contiguous; y may be x) with the first rot
+   dims of each head rotated, x c + roll(x, rot / 2) s, where c and s (the sin with its
+   first half negated) are row r's [rot] values in dt; each product and the sum rounded
+   to dt as torch's three ops round them; the dims past rot copied (partial RoPE). */
+static inline float round_to(float v, int dt) { return dt == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+static inline void store_elem(void *p, int dt, int64_t i, float v) {
+    if (dt == DT_BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+void ur_rope(const void *x, void *y, int dt, int64_t rows, int64_t heads, int64_t d, int64_t rot, const void *cs,
+             const void *sn) {
+    const int64_t half = rot / 2;
+    float stack[512], *buf = d <= 512 ? stack : (float *)malloc(sizeof(float) * (size_t)d);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            const int64_t o = (r * heads + h) * d;
+            for (int64_t i = 0; i < d; i++) buf[i] = load_elem(x, dt, o + i);
+            for (int64_t i = 0; i < rot; i++) {
+                const float xr = buf[i < half ? i + half : i - half];
+                const float a = round_to(buf[i] * load_elem(cs, dt, r * rot + i), dt);
+                const float b = round_to(xr * load_elem(sn, dt, r * rot + i), dt);
+                store_elem(y, dt, o + i, a + b);
+            }
+            for (int64_t i = rot; i < d; i++) store_elem(y, dt, o + i, buf[i]);
+        }
+    if (buf != stack) free(buf);
 }
 
 enum { EW_EXP = 0, EW_SIGMOID, EW_SILU, EW_SOFTPLUS, EW_GELU_TANH, EW_TANH };
@@ -878,12 +973,107 @@ static inline void dots(const float *const *a, int nq, const void *b, int dt, in
     }
 }
 
+#if defined(UR_AVX512)
+/* dots() against two keys at once, b0's chains in lanes 0-7 and b1's in lanes 8-15 of one
+   vector, each lane the chain dots() keeps in it and the lanes summed in the same tree
+   (pairs, then pairs of pairs, then the halves: IEEE addition commutes), so each score is
+   the same bits; half the instructions, and twice the chains in flight. */
+static inline __m512 load8x2(const void *b0, const void *b1, int dt) {
+    if (dt == DT_F32) return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps((const float *)b0)),
+                                                _mm256_loadu_ps((const float *)b1), 1);
+    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)b0)),
+                                              _mm_loadu_si128((const __m128i *)b1), 1);
+    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+static inline float half_sum(__m512 v, int upper) {
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));   /* lane 2m: (2m) + (2m + 1) */
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));   /* lane 4m: its pairs of pairs */
+    v = _mm512_add_ps(v, _mm512_castpd_ps(_mm512_permutex_pd(_mm512_castps_pd(v), _MM_SHUFFLE(1, 0, 3, 2))));
+    return upper ? _mm512_cvtss_f32(_mm512_castps256_ps512(_mm512_extractf32x8_ps(v, 1))) : _mm512_cvtss_f32(v);
+}
+
+/* Scores of up to MAXQ queries against keys b[0 .. 4) (nb of them, 2 or 4) into
+   out[k * MAXQ + q]: eight chains a query in flight with four keys. */
+static inline __attribute__((always_inline)) void dots4_n(
+        const int nq, const float *const *a, const char *const *b, const int nb, int dt, int64_t d, float *out) {
+    __m512 acc[MAXQ][2];
+    const int np = nb / 2;
+    for (int q = 0; q < nq; q++) acc[q][0] = acc[q][1] = _mm512_setzero_ps();
+    const int64_t es = elem_size(dt);
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+        __m512 bv[2];
+        for (int p = 0; p < np; p++) bv[p] = load8x2(b[2 * p] + i * es, b[2 * p + 1] + i * es, dt);
+        for (int q = 0; q < nq; q++) {
+            const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(a[q] + i));
+            for (int p = 0; p < np; p++) acc[q][p] = _mm512_fmadd_ps(qv, bv[p], acc[q][p]);
+        }
+    }
+    for (int q = 0; q < nq; q++)
+        for (int k = 0; k < nb; k++) {
+            float v = half_sum(acc[q][k / 2], k % 2);
+            for (int64_t t = i; t < d; t++) v = fmaf(a[q][t], load_elem(b[k], dt, t), v);
+            out[k * MAXQ + q] = v;
+        }
+}
+
+/* dots4_n with the query count a constant (its chains stay in registers) */
+static inline void dots4(const float *const *a, int nq, const char *const *b, int nb, int dt, int64_t d,
+                         float *out) {
+#define D(Q) (nb == 4 ? dots4_n(Q, a, b, 4, dt, d, out) : dots4_n(Q, a, b, 2, dt, d, out))
+    switch (nq) {
+    case 1: D(1); return; case 2: D(2); return; case 3: D(3); return; case 4: D(4); return;
+    case 5: D(5); return; case 6: D(6); return; case 7: D(7); return; default: D(8); return;
+    }
+#undef D
+}
+#endif
+
+/* PV_GROUPS column groups (PV_GROUPS NR columns from a[0]) of qn queries' output chains
+   (rows d apart, their weights p rows w apart) over the values of keys [ja, jb), in key
+   order: a value row's columns read together, the chains in registers. */
+#if defined(UR_AVX512)
+#define PV_GROUPS 4
+#else
+#define PV_GROUPS 1
+#endif
+static inline __attribute__((always_inline)) void pvg(
+        const int qn, float *a, int64_t d, const float *p, int64_t w, const char *vb, const int64_t *sl,
+        int64_t slot_bytes, int64_t es, const int dt, int64_t ja, int64_t jb) {
+    wvec a4[4][PV_GROUPS];
+    for (int qi = 0; qi < qn; qi++)
+        for (int h = 0; h < PV_GROUPS; h++) a4[qi][h] = wloadf(a + qi * d + h * NR, NR);
+    for (int64_t j = ja; j < jb; j++) {
+        const char *vr = vb + sl[j] * slot_bytes;
+        wvec v[PV_GROUPS];
+        for (int h = 0; h < PV_GROUPS; h++) v[h] = wload(vr + h * NR * es, dt);
+        for (int qi = 0; qi < qn; qi++) {
+            const float pj = p[qi * w + j];
+            for (int h = 0; h < PV_GROUPS; h++) a4[qi][h] = WV_FMA(pj, v[h], a4[qi][h]);
+        }
+    }
+    for (int qi = 0; qi < qn; qi++)
+        for (int h = 0; h < PV_GROUPS; h++) wstore(a + qi * d + h * NR, a4[qi][h], NR);
+}
+
 /* One block of rows against KV head kh (ur_attention's body; dt a constant here, so the
    inner loops have no branch). The keys go by in tiles of KTILE: each tile's keys and
    values are read from memory once for all the block's queries (up to QBLOCK of them),
    and each query's chains carry on from one tile to the next exactly as they would over
    all its keys at once (an output chain is kept in `acc` between tiles). */
 #define KTILE 64
+#define KAHEAD 8   /* keys ahead whose rows are asked for while this one is read */
+
+/* Ask for a key's or value's row before it is read: a decode step reads a request's
+   keys and values once, from memory, and computing on a row while the next rows arrive
+   is what keeps attention near the memory's speed (1.3-1.6x faster at 8k keys than
+   without, measured on an AVX-512 machine). No arithmetic changes. */
+static inline void prefetch_row(const char *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
 static inline __attribute__((always_inline)) void attend_block(
     const float *q, int64_t H, int64_t d, const void *kpool, const void *vpool, const int dt, int64_t G,
     const int64_t *slots, const int64_t *first, const int64_t *count, float scale, const float *sinks, float *out,
@@ -909,29 +1099,66 @@ static inline __attribute__((always_inline)) void attend_block(
     }
     const char *kb = (const char *)kpool + kh * d * es, *vb = (const char *)vpool + kh * d * es;
     const int64_t *sl = slots + lo;
+    const int64_t row_bytes = d * es;
     float tmp[MAXQ];
     for (int64_t t0 = 0; t0 < n; t0 += KTILE) {
         const int64_t t1 = t0 + KTILE < n ? t0 + KTILE : n;
         for (int g0 = 0; g0 < nq; g0 += MAXQ) {
             const int gn = nq - g0 < MAXQ ? nq - g0 : MAXQ;
-            for (int64_t j = t0; j < t1; j++) {
+            int64_t j = t0;
+#if defined(UR_AVX512)
+            for (float t4[4 * MAXQ]; j + 2 <= t1; ) {
+                const int nb = j + 4 <= t1 ? 4 : 2;
+                const char *b[4];
+                for (int k = 0; k < nb; k++) {
+                    b[k] = kb + sl[j + k] * slot_bytes;
+                    if (g0 == 0 && j + k + KAHEAD < n) prefetch_row(kb + sl[j + k + KAHEAD] * slot_bytes, row_bytes);
+                }
+                dots4(qp + g0, gn, b, nb, dt, d, t4);
+                for (int k = 0; k < nb; k++)
+                    for (int qi = 0; qi < gn; qi++) sc[(g0 + qi) * widest + j + k] = t4[k * MAXQ + qi] * scale;
+                j += nb;
+            }
+#endif
+            for (; j < t1; j++) {
+                if (g0 == 0 && j + KAHEAD < n) prefetch_row(kb + sl[j + KAHEAD] * slot_bytes, row_bytes);
                 dots(qp + g0, gn, kb + sl[j] * slot_bytes, dt, d, tmp);
                 for (int qi = 0; qi < gn; qi++) sc[(g0 + qi) * widest + j] = tmp[qi] * scale;
             }
         }
     }
+    /* softmax: each query's maximum (exact in any order: lanes of partial maxima), its
+       exponentials (elementwise), their sum in key order (the queries' sums side by side:
+       independent chains; a key a query does not see adds a zero, which leaves it as it
+       was) */
+    float mxs[QBLOCK], ls[QBLOCK];
     for (int qi = 0; qi < nq; qi++) {
-        float *s = sc + qi * widest, mx = -INFINITY;
-        for (int64_t j = qa[qi]; j < qb[qi]; j++) mx = s[j] > mx ? s[j] : mx;
+        const float *s = sc + qi * widest;
+        float m[16];
+        for (int l = 0; l < 16; l++) m[l] = -INFINITY;
+        int64_t j = qa[qi];
+        for (; j + 16 <= qb[qi]; j += 16)
+            for (int l = 0; l < 16; l++) m[l] = s[j + l] > m[l] ? s[j + l] : m[l];
+        float mx = -INFINITY;
+        for (; j < qb[qi]; j++) mx = s[j] > mx ? s[j] : mx;
+        for (int l = 0; l < 16; l++) mx = m[l] > mx ? m[l] : mx;
         const float sink = sinks ? sinks[qh[qi]] : -INFINITY;
-        if (sink > mx) mx = sink;
-        float l = 0.0f;
-        for (int64_t j = 0; j < n; j++) {
-            if (j < qa[qi] || j >= qb[qi]) { s[j] = 0.0f; continue; }
-            s[j] = ur_expf(s[j] - mx);
-            l += s[j];
-        }
-        if (sinks) l += ur_expf(sink - mx);
+        mxs[qi] = sink > mx ? sink : mx;
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        float *s = sc + qi * widest;
+        const float mx = mxs[qi];
+        const int64_t a = qa[qi], b = qb[qi];
+        for (int64_t j = 0; j < a; j++) s[j] = 0.0f;
+        for (int64_t j = a; j < b; j++) s[j] = ur_expf(s[j] - mx);
+        for (int64_t j = b; j < n; j++) s[j] = 0.0f;
+        ls[qi] = 0.0f;
+    }
+    for (int64_t j = 0; j < n; j++)
+        for (int qi = 0; qi < nq; qi++) ls[qi] += sc[qi * widest + j];
+    for (int qi = 0; qi < nq; qi++) {
+        float l = ls[qi];
+        if (sinks) l += ur_expf(sinks[qh[qi]] - mxs[qi]);
         inv[qi] = 1.0f / l;
     }
     /* out = P V: a tile of keys at a time; in it NR columns at a time, up to 4 queries at
@@ -949,15 +1176,29 @@ static inline __attribute__((always_inline)) void attend_block(
     }
     for (int qi = 0; qi < nq; qi++)
         for (int64_t c = 0; c < d; c++) acc[qi * d + c] = 0.0f;
+    for (int64_t j = 0; j < (KTILE < n ? KTILE : n); j++) prefetch_row(vb + sl[j] * slot_bytes, row_bytes);
     for (int64_t t0 = 0; t0 < n; t0 += KTILE) {
         const int64_t t1 = t0 + KTILE < n ? t0 + KTILE : n;
+        for (int64_t j = t1; j < (t1 + KTILE < n ? t1 + KTILE : n); j++)  /* the next tile's values */
+            prefetch_row(vb + sl[j] * slot_bytes, row_bytes);
         for (int q0 = 0; q0 < nq; q0 += 4) {
             const int qn = nq - q0 < 4 ? nq - q0 : 4;
             const int64_t ja = ja4[q0 / 4] > t0 ? ja4[q0 / 4] : t0, jb = jb4[q0 / 4] < t1 ? jb4[q0 / 4] : t1;
             if (ja >= jb) continue;
             for (int64_t c0 = 0; c0 < d; c0 += NR) {
                 const int nc = d - c0 >= NR ? NR : (int)(d - c0);
-                if (nc == NR) {
+                if (d - c0 >= PV_GROUPS * NR) {  /* column groups side by side: more chains in flight */
+                    float *a0 = acc + q0 * d + c0;
+                    const float *p0 = sc + q0 * widest;
+                    const char *v0 = vb + c0 * es;
+                    switch (qn) {
+                    case 4: pvg(4, a0, d, p0, widest, v0, sl, slot_bytes, es, dt, ja, jb); break;
+                    case 3: pvg(3, a0, d, p0, widest, v0, sl, slot_bytes, es, dt, ja, jb); break;
+                    case 2: pvg(2, a0, d, p0, widest, v0, sl, slot_bytes, es, dt, ja, jb); break;
+                    default: pvg(1, a0, d, p0, widest, v0, sl, slot_bytes, es, dt, ja, jb); break;
+                    }
+                    c0 += (PV_GROUPS - 1) * NR;
+                } else if (nc == NR) {
                     wvec a4[4];
                     for (int qi = 0; qi < qn; qi++) a4[qi] = wloadf(acc + (q0 + qi) * d + c0, NR);
                     for (int64_t j = ja; j < jb; j++) {
