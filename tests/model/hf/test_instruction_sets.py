@@ -64,7 +64,9 @@ def every_kernel() -> list[torch.Tensor]:
     ang = torch.randn(33, 16)
     out.append(kernels.rope(x.view(33, 2, 65)[..., :64].contiguous(), torch.cat((ang.cos(), ang.cos()), -1),
                             torch.cat((-ang.sin(), ang.sin()), -1)))
-    out.append(torch.tensor([kernels.argmax(r) for r in x]))
+    y = x.clone()
+    y[3, 100], y[4, 7], y[5] = float("nan"), float("nan"), 2.0  # NaNs (first found), a row of ties
+    out.append(torch.tensor([kernels.argmax(r) for r in y] + [kernels.argmax(torch.randn(1000) * 3)]))
     out += [kernels.elementwise(op, x * 4, 20.0) for op in kernels.OPS]
     return out
 

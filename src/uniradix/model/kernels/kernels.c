@@ -86,6 +86,14 @@ static inline float load_elem(const void *p, int dt, int64_t i) {
 
 static inline int64_t elem_size(int dt) { return dt == DT_F32 ? 4 : 2; }
 
+/* Ask for bytes from p on before they are read (a decode step reads each weight and each
+   key once, from memory: computing on one part while the next arrives keeps a kernel at
+   the memory's speed; the hardware's own prefetch stops at every 4 KiB page). No
+   arithmetic changes. */
+static inline void prefetch_row(const char *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
 /* ------------------------------------------------------------------------ products */
 
 /* One panel row (16 weights of k) as float32 vectors. */
@@ -662,6 +670,10 @@ static void qrows(int mr, int nw, const int8_t *q, const float *d, const float *
 }
 #endif
 
+#ifndef QAHEAD
+#define QAHEAD 2   /* panels ahead whose codes and scales are asked for while one is read */
+#endif
+
 /* y [M, N] = x [M, K] @ W^T (+ bias) over W as stored (above): codes [N, K / 32 blocks],
    a and c [N, K / G] (c NULL: none). K a multiple of 32 and of G. */
 void ur_linear_q(const float *x, int64_t M, int64_t K, int64_t ldx, const void *codes, const float *a,
@@ -685,6 +697,12 @@ void ur_linear_q(const float *x, int64_t M, int64_t K, int64_t ldx, const void *
             const int mr = M - m >= QROWS ? QROWS : (int)(M - m);
             for (int64_t n = ch * NC; n < n1; n += PW) {
                 const int nw = n1 - n >= PW ? PW : (int)(n1 - n);
+                if (m == 0 && n + QAHEAD * PW < N) {  /* the panel QAHEAD on: its codes and scales */
+                    const int64_t ahead = n + QAHEAD * PW;
+                    prefetch_row((const char *)codes + ahead * rb, PW * rb);
+                    prefetch_row((const char *)(a + ahead * ng), PW * ng * 4);
+                    if (c) prefetch_row((const char *)(c + ahead * ng), PW * ng * 4);
+                }
                 qrows(mr, nw, q + m * K, d + m * nb, s + m * ng, qo ? qo + m * nb * 8 : NULL, K,
                       (const uint8_t *)codes + n * rb, rb,
                       a + n * ng, c ? c + n * ng : NULL, bits, G, bias, n, y + m * ldy, ldy);  /* n: a panel's first row */
@@ -728,15 +746,60 @@ void ur_rows_q(const void *codes, const float *a, const float *c, int bits, int6
    0.7 ms over a 262k-word row, as long as a small layer's products). */
 int64_t ur_argmax(const float *x, int64_t n) {
     if (n <= 0) return -1;
-    int64_t best = 0;
-    float m = x[0];
-    if (m != m) return 0;
-    for (int64_t i = 1; i < n; i++) {
-        const float v = x[i];
-        if (v > m) { m = v; best = i; }
-        else if (v != v) return i;
+    /* the largest value and whether there is a NaN (a maximum is the same in any order:
+       lanes of partial maxima; a NaN is skipped by max(v, m)), then the first index
+       holding it (or the first NaN) */
+    float mx = -INFINITY;
+    int nan = 0;
+    int64_t i = 0;
+#if defined(UR_AVX512)
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    __mmask16 vn = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(x + i);
+        vn |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        vm = _mm512_max_ps(v, vm);
     }
-    return best;
+    float m[16];
+    _mm512_storeu_ps(m, vm);
+    for (int l = 0; l < 16; l++) mx = m[l] > mx ? m[l] : mx;
+    nan = vn != 0;
+#elif defined(UR_AVX2)
+    __m256 vm = _mm256_set1_ps(-INFINITY);
+    int vn = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        vn |= _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vm = _mm256_max_ps(v, vm);
+    }
+    float m[8];
+    _mm256_storeu_ps(m, vm);
+    for (int l = 0; l < 8; l++) mx = m[l] > mx ? m[l] : mx;
+    nan = vn != 0;
+#endif
+    for (; i < n; i++) {
+        mx = x[i] > mx ? x[i] : mx;
+        nan |= x[i] != x[i];
+    }
+    int64_t j = 0;
+#if defined(UR_AVX512)
+    const __m512 target = _mm512_set1_ps(mx);
+    for (; j + 16 <= n; j += 16) {
+        const __m512 v = _mm512_loadu_ps(x + j);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) : _mm512_cmp_ps_mask(v, target, _CMP_EQ_OQ);
+        if (hit) return j + __builtin_ctz((unsigned)hit);
+    }
+#elif defined(UR_AVX2)
+    const __m256 target = _mm256_set1_ps(mx);
+    for (; j + 8 <= n; j += 8) {
+        const __m256 v = _mm256_loadu_ps(x + j);
+        const int hit = _mm256_movemask_ps(nan ? _mm256_cmp_ps(v, v, _CMP_UNORD_Q) : _mm256_cmp_ps(v, target, _CMP_EQ_OQ));
+        if (hit) return j + __builtin_ctz((unsigned)hit);
+    }
+#endif
+    for (; j < n; j++)
+        if (nan ? x[j] != x[j] : x[j] == mx) return j;
+    return 0;
 }
 
 /* ------------------------------------------------------------------------ elementwise */
@@ -1064,15 +1127,8 @@ static inline __attribute__((always_inline)) void pvg(
    and each query's chains carry on from one tile to the next exactly as they would over
    all its keys at once (an output chain is kept in `acc` between tiles). */
 #define KTILE 64
-#define KAHEAD 8   /* keys ahead whose rows are asked for while this one is read */
-
-/* Ask for a key's or value's row before it is read: a decode step reads a request's
-   keys and values once, from memory, and computing on a row while the next rows arrive
-   is what keeps attention near the memory's speed (1.3-1.6x faster at 8k keys than
-   without, measured on an AVX-512 machine). No arithmetic changes. */
-static inline void prefetch_row(const char *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
-}
+#define KAHEAD 8   /* keys ahead whose rows are asked for while this one is read (prefetch_row: 1.3-1.6x
+                      faster at 8k keys than without, measured on an AVX-512 machine) */
 
 static inline __attribute__((always_inline)) void attend_block(
     const float *q, int64_t H, int64_t d, const void *kpool, const void *vpool, const int dt, int64_t G,
