@@ -39,8 +39,10 @@ them:
   kernel not named above;
 - Python: what no op accounts for (the engine's and the forward's Python, ctypes calls).
 
-The parts are shares of the profiled pass (which the profiler slows) applied to the timed
-step. The first lines say the CPU, its flags, the kernels and the load average (other
+The parts are shares of the profiled pass (which the profiler slows: its own cost per torch
+op lands in "Python") applied to the timed step. `glue` is measured apart, unprofiled: the
+median step with every call into the kernels' C library a no-op, i.e. what a step costs
+besides the kernels (Python and torch's small ops). The first lines say the CPU, its flags, the kernels and the load average (other
 work on the machine slows every figure); the last line is one JSON object."""
 from __future__ import annotations
 
@@ -184,6 +186,29 @@ def split_pass(eng, n: int) -> tuple[dict, dict]:
     return parts, {name: c / n for name, c in calls.items()}
 
 
+def glue_pass(eng, n: int) -> float:
+    """n more decode steps with every call into the kernels' C library a no-op: the median
+    step is what a step costs besides the kernels (the engine's and the forward's Python,
+    torch's own small ops), unprofiled (the profiler's own cost lands in the split's
+    "Python"). The engine computes garbage from here on: the last pass."""
+    from uniradix.model import kernels
+    lib = kernels.lib()
+    names = [n for n in dir(lib) if n.startswith("ur_")] + list(kernels._SIGNATURES) + ["ur_argmax"]
+    saved = {name: getattr(lib, name) for name in set(names)}
+    try:
+        for name in saved:
+            setattr(lib, name, lambda *args: 0)
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            eng.step()
+            times.append(time.perf_counter() - t0)
+    finally:
+        for name, fn in saved.items():
+            setattr(lib, name, fn)
+    return 1e3 * statistics.median(times)
+
+
 def measure(model, batch: int, a) -> dict:
     """The timed steps, one by one; with --isa, every other step on the kernels built for
     that CPU level (the same bits: the engine goes on the same), so the two are timed
@@ -201,12 +226,14 @@ def measure(model, batch: int, a) -> dict:
                     runs.append(time.perf_counter() - t0)
         step_ms = 1e3 * statistics.median(times)
         parts, calls = split_pass(eng, max(4, a.steps // 2))
+        glue_ms = glue_pass(eng, max(4, a.steps // 2))
     finally:
         eng.close()
     wall = sum(parts.values()) or 1.0
     shares = {k: v / wall for k, v in parts.items()}
     out = dict(batch=batch, step_ms=step_ms, ms_per_token=step_ms / batch,
-               parts_ms={k: s * step_ms for k, s in shares.items()}, shares=shares, kernel_calls=calls)
+               parts_ms={k: s * step_ms for k, s in shares.items()}, shares=shares, kernel_calls=calls,
+               glue_ms=glue_ms)
     if a.isa:
         out["isa_step_ms"] = 1e3 * statistics.median(other)
     return out
@@ -318,12 +345,12 @@ def main() -> None:
               f"{r['bandwidth_gbs']:.1f} GB/s")
         isa = f"{a.isa} ms" if a.isa else ""
         print(f"{'batch':>5}{'step ms':>9}{'ms/token':>9}{'floor ms':>9}{'x floor':>8}{'/step(1)':>9}"
-              + "".join(f"{k:>12}" for k in PARTS) + (f"{isa:>16}{'x ' + a.isa:>14}" if a.isa else ""))
+              + "".join(f"{k:>12}" for k in PARTS) + f"{'glue':>8}" + (f"{isa:>16}{'x ' + a.isa:>14}" if a.isa else ""))
         for row in r["rows"]:
             ratio = f"{row['step_ratio']:.2f}" if row["step_ratio"] is not None else "-"
             print(f"{row['batch']:>5}{row['step_ms']:>9.1f}{row['ms_per_token']:>9.1f}{row['floor_ms']:>9.2f}"
                   f"{row['x_floor']:>8.2f}{ratio:>9}" + "".join(f"{row['parts_ms'][k]:>12.1f}" for k in PARTS)
-                  + (f"{row['isa_step_ms']:>16.1f}{row['step_ms'] / row['isa_step_ms']:>14.2f}" if a.isa else ""))
+                  + f"{row['glue_ms']:>8.1f}" + (f"{row['isa_step_ms']:>16.1f}{row['step_ms'] / row['isa_step_ms']:>14.2f}" if a.isa else ""))
     best = max([run_bw["read"]] + [r["bandwidth_gbs"] for r in results])
     print(f"\nx floor: at the bandwidth measured just before each precision; x best: at the run's best, "
           f"{best:.1f} GB/s")

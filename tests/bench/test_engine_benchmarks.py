@@ -107,6 +107,7 @@ def test_decode_step_measures_its_floor_the_cpu_and_the_split(tmp_path):
         parts = row["parts_ms"]
         assert set(parts) == {"products", "attention", "activations", "recurrences", "other ops", "Python"}
         assert all(v >= 0 for v in parts.values()) and abs(sum(parts.values()) - row["step_ms"]) < 1e-6 * row["step_ms"]
+        assert row["glue_ms"] > 0  # the step with the kernels' calls stubbed, measured apart
         if result["kernels"].startswith("row-invariant"):  # the kernels' calls were timed, not missed
             assert row["kernel_calls"]["linear"] > 0 and parts["products"] > 0
     assert one["step_ratio"] == 1.0 and two["step_ratio"] > 0
