@@ -92,7 +92,8 @@ def setting(default, help: str, *, check=None, choices: tuple | None = None, ext
 #: what a setting may need to take effect (`setting(needs=...)`), as a message names it
 NEEDS = {"store": "an L3 store (--hicache-storage-backend; an Engine may be given a backend instead)",
          "host": "the host tier (--enable-hierarchical-cache)",
-         "selective": "--hicache-write-policy write_through_selective"}
+         "selective": "--hicache-write-policy write_through_selective",
+         "spec": "speculative decoding (--speculative-algorithm NGRAM, or --speculative-config)"}
 
 
 def flag_name(name: str) -> str:
@@ -345,6 +346,81 @@ class SchedulerConfig(Settings):
         check=flag_bool)
 
 
+#: how drafts are made (SGLang's --speculative-algorithm names): NGRAM, prompt lookup over
+#: the request's own tokens
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
+#: vLLM's --speculative-config methods, and the algorithm each is here
+SPECULATIVE_METHODS = {"ngram": "NGRAM"}
+#: vLLM's --speculative-config keys, and the setting each is here
+SPECULATIVE_CONFIG_KEYS = {"num_speculative_tokens": "speculative_num_draft_tokens",
+                           "prompt_lookup_min": "speculative_ngram_min_match_window_size",
+                           "prompt_lookup_max": "speculative_ngram_max_match_window_size"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig(Settings):
+    """Speculative decoding: a decoding request's drafts verified with it in one step,
+    the replies unchanged (greedy: the same tokens; sampling: the same distribution)."""
+
+    speculative_algorithm: str | None = setting(
+        None, "how drafts are made: NGRAM, the continuation of the request's last tokens where they occurred "
+              "before in its own prompt and output (prompt lookup); default off", choices=(None, *SPECULATIVE_ALGORITHMS))
+    speculative_num_draft_tokens: int = setting(
+        4, "draft tokens a request verifies in one step, at most (fewer where the match is short or the reply "
+           "nearly done)", check=count(), needs=("spec",))
+    speculative_ngram_min_match_window_size: int = setting(
+        1, "the fewest of a request's last tokens that must have occurred before for a draft", check=count(),
+        needs=("spec",))
+    speculative_ngram_max_match_window_size: int = setting(
+        12, "the most of its last tokens a match is extended to (the longest match among the earlier "
+            "occurrences is drafted from)", check=count(), needs=("spec",))
+    speculative_config: str | None = setting(
+        None, "vLLM's form, a JSON object: method (ngram), num_speculative_tokens, prompt_lookup_min, "
+              "prompt_lookup_max; read into the settings above", check=optional(text))
+
+    def __post_init__(self) -> None:
+        self._read_vllm_form()
+        super().__post_init__()
+
+    def _read_vllm_form(self) -> None:
+        """--speculative-config into the fields (a key also given as a flag with another
+        value is refused: which would win?)."""
+        if not self.speculative_config:
+            return
+        try:
+            cfg = json.loads(self.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"--speculative-config must be a JSON object, got {type(cfg).__name__}")
+        unknown = sorted(set(cfg) - {"method", *SPECULATIVE_CONFIG_KEYS})
+        if unknown:
+            raise ValueError(f"--speculative-config: unsupported key(s) {unknown}; supported: method, "
+                             f"{', '.join(SPECULATIVE_CONFIG_KEYS)}")
+        method = cfg.get("method")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative-config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {method!r}")
+        declared = {f.name: f for f in fields(self)}
+        values = {"speculative_algorithm": SPECULATIVE_METHODS[method]}
+        values.update({SPECULATIVE_CONFIG_KEYS[k]: v for k, v in cfg.items() if k in SPECULATIVE_CONFIG_KEYS})
+        for name, v in values.items():
+            mine = getattr(self, name)
+            if mine != declared[name].default and mine != v:
+                raise ValueError(f"{flag_name(name)} {mine!r} and --speculative-config's {v!r} disagree: give one")
+            object.__setattr__(self, name, v)
+
+    def check(self) -> None:
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if lo > hi:
+            raise ValueError(f"--speculative-ngram-min-match-window-size ({lo}) is above "
+                             f"--speculative-ngram-max-match-window-size ({hi})")
+
+    @property
+    def on(self) -> bool:
+        return self.speculative_algorithm is not None
+
+
 #: the dtypes a checkpoint is served in
 DTYPES = ("float32", "bfloat16", "float16")
 #: the weight-only quantizations of its linear weights (uniradix.model.hf.quant)
@@ -383,7 +459,7 @@ class ComputeSettings(Settings):
 
 
 GROUPS = {"cache": CacheConfig, "host": HostTierConfig, "storage": StorageConfig,
-          "scheduler": SchedulerConfig}
+          "scheduler": SchedulerConfig, "speculative": SpeculativeConfig}
 
 
 @dataclass(frozen=True)
@@ -394,6 +470,7 @@ class EngineConfig:
     host: HostTierConfig = field(default_factory=HostTierConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if self.host.hicache_write_policy == "write_back" and not self.host.enable_hierarchical_cache:
@@ -425,7 +502,8 @@ class EngineConfig:
         either way) that the engine would not use, each with what it needs (NEEDS
         names): a tier or a policy that is off. `store`: the engine has an L3 store."""
         have = {"store": store, "host": self.host.enable_hierarchical_cache,
-                "selective": self.host.hicache_write_policy == "write_through_selective"}
+                "selective": self.host.hicache_write_policy == "write_through_selective",
+                "spec": self.speculative.on}
         out = []
         for group in GROUPS:
             cfg = getattr(self, group)
@@ -518,7 +596,8 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
     """The engine's settings from `uniradix run` / `serve` flags (the storage tier's own
     come out of the extra config JSON: StorageConfig reads them)."""
     return EngineConfig(cache=from_args(CacheConfig, ns), host=from_args(HostTierConfig, ns),
-                        storage=from_args(StorageConfig, ns), scheduler=from_args(SchedulerConfig, ns))
+                        storage=from_args(StorageConfig, ns), scheduler=from_args(SchedulerConfig, ns),
+                        speculative=from_args(SpeculativeConfig, ns))
 
 
 _DECLARED: set = set()
@@ -532,7 +611,8 @@ def declare_plain_settings(cls) -> None:
         declare_plain(f.name for f in fields(cls) if "help" in f.metadata and not f.metadata.get("secret"))
 
 
-for _cls in (CacheConfig, HostTierConfig, StorageConfig, SchedulerConfig, ModelSettings, ComputeSettings):
+for _cls in (CacheConfig, HostTierConfig, StorageConfig, SchedulerConfig, SpeculativeConfig, ModelSettings,
+             ComputeSettings):
     declare_plain_settings(_cls)
 
 
@@ -581,7 +661,8 @@ def parse_extra_config(text_value: str | dict | None) -> dict:
     return cfg
 
 
-__all__ = ["CacheConfig", "EngineConfig", "HostTierConfig", "ModelSettings", "SchedulerConfig", "StorageConfig",
+__all__ = ["CacheConfig", "EngineConfig", "HostTierConfig", "ModelSettings", "SchedulerConfig", "SpeculativeConfig",
+           "StorageConfig",
            "ComputeSettings", "Settings",
            "setting", "add_flags", "from_args", "engine_config_from_args", "parse_extra_config",
            "EVICTION_POLICIES", "WRITE_POLICIES", "PREFETCH_POLICIES", "STORAGE_BACKENDS", "replace"]

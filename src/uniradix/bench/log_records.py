@@ -212,7 +212,8 @@ REQUEST_FIELDS = {"time": _time, "arrival": _time, "ttft": _time, "latency": _ti
                   "session": _session, "salt": _salt, "priority": _priority, "status": _text,
                   "finish_reason": _text, "round": _count, "prompt_logprobs_from": _count,
                   **{k: _count for k in (*PROMPT, *CACHED, *TIERS, "cached_cross_instance", "computed_tokens",
-                                         "output_tokens")}}
+                                         "output_tokens", "spec_verify_ct", "spec_draft_tokens",
+                                         "spec_accepted_tokens")}}
 
 
 def first(rec: dict, names) -> tuple[str | None, int | None]:

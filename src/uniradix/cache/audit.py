@@ -1,6 +1,6 @@
 """The audit: design.md §3 "accounting is exact", checked. Every allocated handle of every
 pool, in both tiers, is owned exactly once: by the tree or by one running request
-(its own pages past its prefix, its state slot and checkpoints, the host pages it read
+(its own pages past its prefix, its state slot, checkpoints and a verify's scratch slots, the host pages it read
 from L3); what a running request reads from the tree is still there; the tree's counts
 agree with its nodes; and, once everything is settled, no lock is left. Tests call it
 after every step; an operator's debug endpoint may too (it walks every node)."""
@@ -82,6 +82,7 @@ def _request_handles(cache, states):
             if st.state_slot is not None:
                 own[ci][st.state_slot] += 1
             own[ci].update(st.checkpoints.values())
+            own[ci].update(st.scratch.values())
     return own, reads
 
 

@@ -61,11 +61,11 @@ class Finishing:
             own = req.pages[c.name][req.prefix_len // P:]
             self.ledger.free_device(c.index, array("i", (h for h in own if h >= 0)))
         if self.ckpt is not None:
-            slots = list(req.checkpoints.values())
+            slots = [*req.checkpoints.values(), *req.scratch.values()]
             if req.state_slot is not None:
                 slots.append(req.state_slot)
             self.ledger.free_device(self.ckpt.index, slots)
-        req.checkpoints = {}
+        req.checkpoints, req.scratch = {}, {}
         req.state_slot = None
         self._unlock(req.receipt)
         req.receipt, req.held = None, False

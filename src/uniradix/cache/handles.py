@@ -46,8 +46,9 @@ class Ledger:
             self.host.pools[ci].free(handles if isinstance(handles, array) else array("i", handles))
 
     # ------------------------------------------------------------------ the device tier
-    def alloc(self, need: list[int]) -> list:
-        """Device handles per component index, evicting unlocked data on shortfall. All or
+    def alloc(self, need: list[int], evict: bool = True) -> list:
+        """Device handles per component index, evicting unlocked data on shortfall (with
+        `evict` False: from the free handles alone, CacheFull when they are short). All or
         nothing: raises CacheFull and allocates nothing when locked data leaves too
         little. Handles an eviction frees for a component being allocated go straight to
         the caller (tree -> request: they stay allocated), so only the excess returns."""
@@ -62,6 +63,10 @@ class Ledger:
                     short[ci] = gap
         if short is None:
             return [pools[ci].alloc(k) if k else None for ci, k in enumerate(need)]
+        if not evict:
+            ci = next(ci for ci, k in enumerate(short) if k)
+            raise CacheFull(f"{need[ci]} {self.names[ci]} handles asked for without evicting; "
+                            f"{pools[ci].available} free")
         tree = self.tree
         for ci, k in enumerate(short):
             if k and k > tree.size[ci] - tree.locked[ci]:  # evicting could not make room: evict nothing

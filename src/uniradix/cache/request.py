@@ -29,11 +29,17 @@ class RequestState:
     cached). `owner`: the client's request (opaque to the cache); `rng`: its sampling
     generator; `order`: when the scheduler queued it (kept across preemption). `share_at`: positions past its prefix that
     waiting requests share with it: each goes into the tree as soon as it is computed
-    (cache_unfinished), so they resume there instead of computing it again."""
+    (cache_unfinished), so they resume there instead of computing it again.
+
+    Speculation: `scratch` {position: slot} the recurrent states a verify chunk captures
+    at every position it may stop at (its own only for that step: `rollback` keeps the
+    accepted one and frees the rest); `spec` the scheduler's drafting state for the
+    request (opaque to the cache; kept across preemption, as `tokens` are)."""
 
     __slots__ = ("tokens", "owner", "salt", "priority", "prompt_len", "rng", "key", "computed", "prefix_len",
                  "reused", "host_tokens", "storage_tokens", "cross_instance_tokens", "junction", "resume_points", "pages", "receipt", "node",
-                 "state_slot", "checkpoints", "rolling", "window_freed", "staged", "held", "order", "share_at")
+                 "state_slot", "checkpoints", "rolling", "window_freed", "staged", "held", "order", "share_at", "scratch",
+                 "spec")
 
     def __init__(self, tokens=None, *, salt=None, priority=None, owner=None) -> None:
         self.tokens = tokens
@@ -43,6 +49,7 @@ class RequestState:
         self.prompt_len = len(tokens) if tokens is not None else 0
         self.rng = None
         self.order = 0
+        self.spec = None
         self.clear()
 
     def clear(self) -> None:
@@ -56,6 +63,7 @@ class RequestState:
         self.node = None
         self.state_slot: int | None = None
         self.checkpoints: dict[int, int] = {}
+        self.scratch: dict[int, int] = {}
         self.rolling: int | None = None
         self.window_freed = 0
         self.staged = None

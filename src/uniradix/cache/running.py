@@ -8,6 +8,7 @@ from array import array
 from ..hicache.l2 import Staged
 from ..tree import encode
 from ..tree.component import page_floor
+from ..tree.keys import TOKEN_BYTES
 from .handles import CacheFull
 from .request import RequestState
 
@@ -43,7 +44,7 @@ class Running:
             return False
         return True
 
-    def _alloc_own(self, req: RequestState, upto: int, windows: int, start: int) -> None:
+    def _alloc_own(self, req: RequestState, upto: int, windows: int, start: int, evict: bool = True) -> None:
         P = self.page_size
         pages, need, pad = req.pages, None, {}
         for c in self.page_comps:
@@ -58,7 +59,7 @@ class Running:
                 if need is None:
                     need = [0] * len(self.pools)
                 need[c.index] = k
-        got = self.ledger.alloc(need) if need is not None else None
+        got = self.ledger.alloc(need, evict) if need is not None else None
         for c in self.page_comps:
             if pad.get(c):
                 pages[c.name] += _NEG * pad[c]
@@ -72,6 +73,69 @@ class Running:
         more = tokens if isinstance(tokens, bytes) else encode(tokens)
         self.alloc_request(req, (len(req.key) + len(more)) >> 2)  # CacheFull leaves req as it was
         req.key += more
+
+    # ------------------------------------------------------------------ speculation
+    def draft(self, req: RequestState, tokens) -> dict[int, int]:
+        """Room for a verify chunk: pages for draft `tokens` past the request's own, and
+        (with a recurrent component) a scratch slot for the state at every position in
+        (computed, end] that no checkpoint captures already: where the verify may stop.
+        From free handles only (a draft never evicts what is cached: speculation must not
+        change what is reused). All or nothing: CacheFull leaves the request unchanged.
+        Returns the scratch captures {position: slot}."""
+        more = encode(tokens)
+        end = (len(req.key) + len(more)) >> 2
+        self._alloc_own(req, end, end, req.computed, evict=False)  # CacheFull: nothing taken
+        req.key += more
+        if self.ckpt is None:
+            return {}
+        positions = [p for p in range(req.computed + 1, end + 1) if p not in req.checkpoints]
+        need = [0] * len(self.pools)
+        need[self.ckpt.index] = len(positions)
+        try:
+            got = self.ledger.alloc(need, evict=False)[self.ckpt.index] if positions else ()
+        except CacheFull:
+            self.truncate(req, end - len(tokens))
+            raise
+        req.scratch = dict(zip(positions, got))
+        return dict(req.scratch)
+
+    def truncate(self, req: RequestState, n: int) -> None:
+        """The request keeps pages for its first `n` tokens only (at least its prefix):
+        the pages past them go back (KV written there, a rejected draft's, is never read)."""
+        P = self.page_size
+        if not req.prefix_len <= n <= req.allocated:
+            raise ValueError(f"cannot truncate to {n} tokens: prefix {req.prefix_len}, {req.allocated} allocated")
+        keep = -(-n // P)
+        for c in self.page_comps:
+            pages = req.pages[c.name]
+            if len(pages) > keep:
+                self.ledger.free_device(c.index, array("i", (h for h in pages[keep:] if h >= 0)))
+                del pages[keep:]
+        req.key = req.key[:n * TOKEN_BYTES]
+
+    def rollback(self, req: RequestState, n: int, checkpoint_at: int | None = None, drop: int | None = None) -> None:
+        """A verify chunk's end, at the accepted length `n`: the pages past the first `n`
+        tokens go back (truncate), and the recurrent state becomes the one captured at `n`
+        (at the chunk's own end it is in the request's slot already). `checkpoint_at`: a
+        position whose captured state the request keeps as a checkpoint (the decode
+        checkpoint that moves page by page), replacing checkpoint `drop`. Every other
+        scratch slot goes back."""
+        end = req.allocated
+        self.truncate(req, n)
+        if self.ckpt is None:
+            return
+        ci = self.ckpt.index
+        scratch, req.scratch = req.scratch, {}
+        if n != end and self.copy_checkpoints:
+            src = scratch.get(n, req.checkpoints.get(n))
+            self.pools[ci].copy_slot(src, req.state_slot)
+        free = []
+        if checkpoint_at is not None:
+            if drop is not None:
+                free.append(req.checkpoints.pop(drop))
+            req.checkpoints[checkpoint_at] = scratch.pop(checkpoint_at)
+        free += scratch.values()
+        self.ledger.free_device(ci, free)
 
     def add_checkpoint(self, req: RequestState, pos: int) -> int:
         """A request-owned slot to capture the recurrent state at `pos` into; it goes to

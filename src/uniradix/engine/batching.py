@@ -91,6 +91,8 @@ class Batching:
                 batch.append((st, self._input(st, n)))
             except Exception as e:
                 self._abort(st, e, done)
+        if self.spec is not None and batch:
+            batch = self._add_drafts(batch)
         return batch, stalled
 
     def _chunk_pages(self, st: RequestState, n: int) -> int:
@@ -161,6 +163,9 @@ class Batching:
         return PagedInput(st.tokens[s:e], s, st.pages, st.state_slot, st.captures(s, e), logit_rows=rows)
 
     def _advance(self, st: RequestState, inp: PagedInput, logits: torch.Tensor, done: list[Request]) -> None:
+        if st.spec is not None and st.spec.pending is not None:
+            self._verify(st, inp, logits, done)
+            return
         req = st.owner
         n = len(inp.tokens)
         prefill = min(st.computed + n, st.prompt_len) - min(st.computed, st.prompt_len)
@@ -175,14 +180,19 @@ class Batching:
         if st.computed < len(st.tokens):
             return  # a prefill chunk short of the end: no logits were computed for it
         row = logits[-1]
+        if self._take(st, self._choose(st, row), row):
+            self._finish(st, time.perf_counter(), done)
+
+    def _take(self, st: RequestState, tok: int, row: torch.Tensor) -> bool:
+        """A new token from its row of logits: recorded, its logprobs, appended; True when
+        it ends the request (a stop id or string, the length), with the reason set."""
+        req = st.owner
         if req.record_logits:
             req.logits.append(row.detach().to("cpu", copy=True))
-        tok = self._choose(st, row)
         if req.logprobs is not None:
             req.output_logprobs.append(self._logprobs(row, tok, req.logprobs))
-        now = time.perf_counter()
         if req.metrics.first_token is None:
-            req.metrics.first_token = now
+            req.metrics.first_token = time.perf_counter()
         req.output_ids.append(tok)
         st.tokens.append(tok)
         req.metrics.output_tokens = len(req.output_ids)
@@ -193,7 +203,12 @@ class Batching:
         elif len(req.output_ids) >= req.sampling.max_new_tokens:
             req.finish_reason = "length"
         else:
-            return
+            return False
+        return True
+
+    def _finish(self, st: RequestState, now: float, done: list[Request]) -> None:
+        """A request that ended: its tokens to the cache, its status set."""
+        req = st.owner
         self.running.remove(st)
         self._store(st, req.session_id)
         req.status = "finished"

@@ -28,11 +28,12 @@ from .admission import Admission
 from .batching import Batching
 from .build import build_cache
 from .request import Request, SamplingParams
+from .speculation import Speculation
 
 log = logging.getLogger("uniradix.engine")
 
 
-class Engine(Admission, Batching):
+class Engine(Admission, Batching, Speculation):
     """A model behind a UnifiedRadixCache.
 
     `model`: a PagedModel, a preset name or HybridConfig of the embedded model (with
@@ -83,7 +84,11 @@ class Engine(Admission, Batching):
         self.running: list[RequestState] = []
         self.counters = dict(steps=0, finished=0, errors=0, aborted=0, preemptions=0, prefill_tokens=0, cached_tokens=0,
                              prompt_tokens=0, decode_tokens=0, checkpoints_skipped=0, host_tokens=0,
-                             storage_tokens=0, storage_cross_instance_tokens=0, shared_prefixes=0)
+                             storage_tokens=0, storage_cross_instance_tokens=0, shared_prefixes=0,
+                             spec_verify_steps=0, spec_draft_tokens=0, spec_accepted_tokens=0, spec_no_room=0)
+        self.spec = config.speculative if config.speculative.on else None
+        #: drafts accepted at each position of a verify chunk (vLLM's accepted tokens per position)
+        self.spec_accepted_at = [0] * (self.spec.speculative_num_draft_tokens if self.spec else 0)
         self.holding = 0  # waiting requests held at the last admission for a prefix a running one computes
         self._queued = itertools.count(1)  # the order requests were queued in (in-batch sharing is FIFO)
         self.storage = None
@@ -362,6 +367,7 @@ class Engine(Admission, Batching):
         """Engine counters and the cache's own statistics."""
         c = dict(self.counters)
         c["hit_rate"] = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
+        c["spec_accepted_per_pos"] = list(self.spec_accepted_at)
         c["waiting"] = len(self.waiting)
         c["holding"] = self.holding
         c["running"] = len(self.running)

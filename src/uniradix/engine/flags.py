@@ -9,13 +9,14 @@ import os
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The model, cache, tier and scheduler flags, generated from uniradix.config."""
-    from ..config import CacheConfig, ComputeSettings, HostTierConfig, ModelSettings, SchedulerConfig, StorageConfig, \
-        add_flags
+    from ..config import CacheConfig, ComputeSettings, HostTierConfig, ModelSettings, SchedulerConfig, \
+        SpeculativeConfig, StorageConfig, add_flags
     from ..model import PRESETS
     add_flags(p, ModelSettings, "model", choices={"model_preset": sorted(PRESETS)})
     add_flags(p, ComputeSettings, "compute")
     add_flags(p, CacheConfig, "device cache (SGLang's flag names)")
     add_flags(p, SchedulerConfig, "scheduler")
+    add_flags(p, SpeculativeConfig, "speculative decoding (SGLang's and vLLM's flag names)")
     add_flags(p, HostTierConfig, "host tier (L2)")
     add_flags(p, StorageConfig, "shared storage (L3)")
 

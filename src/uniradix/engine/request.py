@@ -126,8 +126,9 @@ class RequestMetrics:
     cache at admission, `host_tokens` of them loaded from the host tier (L2) and
     `storage_tokens` from L3, `cross_instance_tokens` of those from L3 objects another
     instance wrote (a fleet's shared reuse). computed_tokens: tokens run through prefill (more than
-    prompt - cached only when the request was preempted and resumed). Times are seconds
-    from `time.perf_counter`."""
+    prompt - cached only when the request was preempted and resumed). Speculation
+    (SGLang's names): `spec_verify_ct` verify steps, `spec_draft_tokens` drafts verified,
+    `spec_accepted_tokens` of them kept. Times are seconds from `time.perf_counter`."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -137,6 +138,9 @@ class RequestMetrics:
     computed_tokens: int = 0
     output_tokens: int = 0
     preemptions: int = 0
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     arrival: float = 0.0
     first_token: float | None = None
     finished: float | None = None

@@ -29,6 +29,11 @@ ENGINE_COUNTERS = {
     "aborted": ("requests_aborted", "requests aborted (the client went away, --waiting-timeout, or shutdown)"),
     "preemptions": ("preemptions", "requests preempted to free pages"),
     "checkpoints_skipped": ("checkpoints_skipped", "recurrent checkpoints skipped for want of a slot"),
+    # speculative decoding, as vLLM names it (a "draft" is one verify chunk)
+    "spec_verify_steps": ("spec_decode_num_drafts", "verify chunks run (a decoding request's drafts, checked "
+                                                    "in one step)"),
+    "spec_draft_tokens": ("spec_decode_num_draft_tokens", "draft tokens verified"),
+    "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "draft tokens kept (the model's own choice)"),
 }
 STORAGE_COUNTERS = {
     "storage_loads": ("storage_hits", "L3 reads that found their objects"),
@@ -154,6 +159,13 @@ def engine_families(s: dict):
         c.add_metric([tier], v)
     yield c
     yield _counter("output_tokens", "tokens sent to clients", s["output_tokens"])
+    per_pos = st.get("spec_accepted_per_pos") or ()
+    if per_pos:
+        c = CounterMetricFamily("uniradix_spec_decode_num_accepted_tokens_per_pos",
+                                "draft tokens kept, by their position in the verify chunk", labels=["position"])
+        for pos, v in enumerate(per_pos):
+            c.add_metric([str(pos)], v)
+        yield c
     yield GaugeMetricFamily("uniradix_running_requests", "requests running (prefetching from L3 included)",
                             value=st["running"] + st["prefetching"])
     yield GaugeMetricFamily("uniradix_waiting_requests", "requests queued for admission", value=st["waiting"])

@@ -48,6 +48,9 @@ def record(req, client_id: str | None, token_ids: bool = False) -> dict:
            "computed_tokens": m.computed_tokens,
            "output_tokens": m.output_tokens, "ttft": None if m.ttft is None else round(m.ttft, 6),
            "latency": None if m.latency is None else round(m.latency, 6)}
+    if m.spec_verify_ct:  # speculation: its verify steps, drafts and drafts kept (simulate reads none of it)
+        out.update(spec_verify_ct=m.spec_verify_ct, spec_draft_tokens=m.spec_draft_tokens,
+                   spec_accepted_tokens=m.spec_accepted_tokens)
     if token_ids:
         out.update(input_ids=list(req.input_ids or ()), output_ids=list(req.output_ids),
                    salt=salt_digest(req.salt), priority=req.priority,

@@ -1,0 +1,213 @@
+"""Speculative decoding: a decoding request's drafts verified with it in one step.
+
+A decoding request computes one token a step, and a step reads every weight once
+whatever its rows, so where a reply repeats what came before (code, a quoted document, a
+tool's output echoed back) the engine drafts the continuation and verifies it: the
+request's last token and k drafts go through the paged forward as one chunk with logits
+on all k + 1 rows, and the longest run of drafts the model itself would have produced is
+kept, with the model's own next token after it. Nothing a client sees changes but speed:
+greedy replies are the same tokens (each row's logits are the same bits as a one-row
+decode step: the row-invariant kernels), sampled ones the same distribution (a
+deterministic draft d is kept with the model's probability of d, else the token is drawn
+from the model's distribution with d taken out).
+
+The cache sees accepted tokens only. Drafts live inside one step: their pages and the
+recurrent states the chunk captures at each position come from free handles
+(`UnifiedRadixCache.draft`: a draft never evicts what is cached), and `rollback` gives
+back what the rejected drafts used before the step ends, keeping the recurrent state at
+the accepted length and the decode checkpoint at the page boundary a one-token-a-step
+decode would have kept. Between steps a request is exactly as without speculation, so
+preemption, sessions, in-batch sharing and the tiers' writes see what they always saw.
+
+Drafts (`PromptLookup`): the continuation of the request's last tokens where they
+occurred before in its own prompt and output (vLLM's and llama.cpp's prompt lookup,
+SGLang's NGRAM flags): the earlier occurrence that matches the most of its last tokens
+(up to --speculative-ngram-max-match-window-size), the newest among equals. Its length
+follows the evidence: twice the match, at most --speculative-num-draft-tokens, and the
+tokens the reply has left; a request whose drafts keep being rejected stops drafting for a
+while (a pause that doubles each time), so plain chat is not slowed by speculation."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..cache import CacheFull, RequestState
+from ..model import PagedInput
+from .sampling import accept_draft
+
+#: earlier occurrences of the last min-n tokens compared, newest first
+CANDIDATES = 64
+#: below this share of drafts accepted (a moving average), a request pauses drafting
+LOW_ACCEPTANCE = 0.3
+#: the longest pause, in decode steps
+MAX_PAUSE = 64
+
+
+class PromptLookup:
+    """Where each run of `min_n` tokens occurred in a request's tokens (the positions
+    that followed it, oldest first), indexed as tokens arrive, and the draft for the
+    current end: the continuation of the earlier occurrence that matches the most of the
+    last tokens (at most `max_n`)."""
+
+    __slots__ = ("min_n", "max_n", "where", "seen")
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.where: dict[tuple, list[int]] = {}
+        self.seen = 0  # continuations indexed: positions [min_n, seen)
+
+    def _index(self, tokens: list[int]) -> None:
+        n = self.min_n
+        for i in range(max(self.seen, n), len(tokens)):
+            self.where.setdefault(tuple(tokens[i - n:i]), []).append(i)
+        self.seen = max(self.seen, len(tokens))
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to `k` draft tokens to follow `tokens` (empty when its end never occurred
+        before)."""
+        n, L = self.min_n, len(tokens)
+        if k <= 0 or L <= n:
+            return []
+        self._index(tokens)
+        found = self.where.get(tuple(tokens[L - n:]))
+        if not found:
+            return []
+        best, at = 0, -1
+        for pos in reversed(found[-CANDIDATES:]):  # pos: the token that followed an earlier occurrence
+            if pos >= L:
+                continue
+            m = n
+            while m < self.max_n and pos - 1 - m >= 0 and tokens[pos - 1 - m] == tokens[L - 1 - m]:
+                m += 1
+            if m > best:
+                best, at = m, pos
+                if m == self.max_n:
+                    break
+        return tokens[at:at + min(k, 2 * best)]
+
+
+class Drafting:
+    """A request's speculation: its drafter, the drafts of the step in flight, and how
+    well its drafts do (a moving average of the share accepted, and a pause)."""
+
+    __slots__ = ("lookup", "pending", "rate", "pause", "wait")
+
+    def __init__(self, lookup: PromptLookup) -> None:
+        self.lookup = lookup
+        self.pending: list[int] | None = None
+        self.rate = 1.0
+        self.pause = 0   # the next pause's length, in steps
+        self.wait = 0    # steps left before drafting again
+
+    def judged(self, drafted: int, accepted: int) -> None:
+        self.rate = 0.7 * self.rate + 0.3 * (accepted / drafted)
+        if self.rate < LOW_ACCEPTANCE:
+            self.pause = min(MAX_PAUSE, max(1, 2 * self.pause))
+            self.wait = self.pause
+            self.rate = LOW_ACCEPTANCE  # drafting again after the pause starts from the threshold
+        elif 2 * accepted >= drafted:
+            self.pause = 0
+
+
+class Speculation:
+    """Engine's speculative decoding (a mixin: the state lives on the engine; `self.spec`
+    is the SpeculativeConfig, or None when it is off)."""
+
+    def _add_drafts(self, batch: list) -> list:
+        """The step's batch with each decoding request that has drafts turned into a
+        verify chunk: its last token and the drafts, logits on every row. Run after every
+        other request has its pages for the step, and from free handles only, so that
+        speculation takes nothing the step would otherwise have had."""
+        out = []
+        for st, inp in batch:
+            drafts = []
+            if len(inp.tokens) == 1 and inp.start >= st.prompt_len:
+                sp = st.spec
+                if sp is None:
+                    cfg = self.spec
+                    sp = st.spec = Drafting(PromptLookup(cfg.speculative_ngram_min_match_window_size,
+                                                         cfg.speculative_ngram_max_match_window_size))
+                if sp.wait:
+                    sp.wait -= 1
+                else:
+                    drafts = self._drafts(st)
+            if drafts:
+                try:
+                    captures = self.cache.draft(st, drafts)
+                except CacheFull:
+                    self.counters["spec_no_room"] += 1
+                    drafts = []
+                if drafts:
+                    st.spec.pending = drafts
+                    end = inp.start + 1 + len(drafts)
+                    inp = PagedInput(inp.tokens + drafts, inp.start, st.pages, st.state_slot,
+                                     {**captures, **st.captures(inp.start, end)}, logit_rows=1 + len(drafts))
+            out.append((st, inp))
+        return out
+
+    def _drafts(self, st: RequestState) -> list[int]:
+        """The drafts of a decoding request this step (its prompt lookup's), at most what
+        its reply has room for after the verify's own next token."""
+        req = st.owner
+        room = req.sampling.max_new_tokens - len(req.output_ids) - 1
+        if room <= 0:
+            return []
+        return st.spec.lookup.propose(st.tokens, min(self.spec.speculative_num_draft_tokens, room))
+
+    def _verify(self, st: RequestState, inp: PagedInput, logits: torch.Tensor, done: list) -> None:
+        """Keep the longest run of drafts the model agrees with and its own token after
+        them (each judged on its row, in order, and each emitted as a decode step would:
+        logprobs, stop ids and strings, the length limit), then roll the request back to
+        what it kept."""
+        req = st.owner
+        sp = st.spec
+        drafts, sp.pending = sp.pending, None
+        c, k = inp.start, len(drafts)
+        kept = good = 0
+        finished = False
+        for i in range(k + 1):
+            row = logits[i]
+            draft = drafts[i] if i < k else None
+            if req.sampling.greedy:
+                tok = self._choose(st, row)
+                accepted = tok == draft
+            else:
+                tok, accepted = accept_draft(row, req.sampling, draft, st.rng)
+            kept += 1
+            good += accepted
+            finished = self._take(st, tok, row)
+            if finished or not accepted:
+                break
+        n = c + kept  # computed now: every kept token but the newest has its KV and state
+        self.cache.rollback(st, n, *self._moved_checkpoint(st, c + 1, n))
+        st.computed = n
+        sp.judged(k, good)
+        m = req.metrics
+        m.spec_verify_ct += 1
+        m.spec_draft_tokens += k
+        m.spec_accepted_tokens += good
+        cnt = self.counters
+        cnt["spec_verify_steps"] += 1
+        cnt["spec_draft_tokens"] += k
+        cnt["spec_accepted_tokens"] += good
+        cnt["decode_tokens"] += kept
+        for pos in range(good):
+            self.spec_accepted_at[pos] += 1
+        if self.cache.windowed:
+            self.cache.release_out_of_window(st, st.computed)
+        if finished:
+            self._finish(st, time.perf_counter(), done)
+
+    def _moved_checkpoint(self, st: RequestState, first: int, n: int) -> tuple:
+        """(checkpoint_at, drop) for rollback: the page boundary in (first, n] where a
+        decode of one token a step would have moved its rolling checkpoint last (its
+        first position, `first`, was a step's end as in plain decode: `_input`)."""
+        P = self.page_size
+        if not self.captures or P == 1:
+            return None, None
+        p = n - n % P
+        if p <= first or p < st.prompt_len or p in st.checkpoints:
+            return None, None
+        drop, st.rolling = st.rolling, p
+        return p, drop
