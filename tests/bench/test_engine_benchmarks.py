@@ -169,3 +169,19 @@ def test_capacity_counts_conversations_in_a_budget_for_both_splits(tmp_path):
             assert all(t["errors"] == 0 and 0.0 <= t["hit_rate"] <= 1.0 for t in tiers.values())
             assert tiers["L1"]["hit_rate"] <= tiers["L1+L2"]["hit_rate"] <= tiers["L1+L2+L3"]["hit_rate"]
     assert "| 512 | derived (new default) |" in out
+
+
+def test_speculative_benchmark_serves_each_workload_both_ways(tmp_path):
+    """benchmarks/speculative.py on the embedded model: every workload served with
+    speculation off and on, the replies and the hit rate of every round the same, the
+    drafts' figures reported (no timing verdict)."""
+    out = run_script("speculative.py", "--model-path", "tiny-hybrid", "--turns", "2", "--output-tokens", "12",
+                     "--repeats", "1", "--threads", "1", tmp_path=tmp_path)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["cpu"]["flags"] and result["threads"] == 1
+    assert [r["workload"] for r in result["results"]] == ["chat", "agentic", "document"]
+    for r in result["results"]:
+        assert r["replies_same"] and r["hit_rates_same"], r
+        assert len(r["hit_rates"]) == 2 and r["hit_rates"][1] > 0
+        assert r["verify_steps"] > 0 and 0 <= r["acceptance"] <= 1 and r["tokens_per_verify"] >= 1
+        assert r["medians"]["off"]["output_tps"] > 0 and r["speedup"] > 0
