@@ -23,6 +23,7 @@ PAGE_SIZES = (1, 4, 16)
 TOL = 1e-4
 
 __all__ = ["PRESET_NAMES", "PAGE_SIZES", "TOL", "Engine", "Request", "SamplingParams", "page_floor",
+           "SPECULATE", "GreedyDrafter", "speculating",
            "toks", "diverging", "greedy", "check_exact", "check_work", "tree_nodes",
            "check_ownership", "check_host_ownership", "check_settled", "check_flush", "run_checked",
            "has_kind"]
@@ -70,6 +71,44 @@ def diverging(rng: random.Random, n: int, avoid) -> list[int]:
 
 def greedy(ids, n: int, **kw) -> Request:
     return Request(input_ids=list(ids), sampling=SamplingParams(max_new_tokens=n, **kw), record_logits=True)
+
+
+#: the engine settings that turn speculation on (drafts made by the tests' own drafters)
+SPECULATE = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
+
+
+class GreedyDrafter:
+    """Drafts that a greedy verify keeps for a known count, then does not: the model's own
+    next tokens (its no-cache forward's argmax: the engine's greedy choice, bit for bit)
+    for the first `right` of `k`, then tokens one past the last (wrong, as a rule). `right`
+    cycles 0 .. k over the calls, so every position of a chunk is kept and rejected in
+    turn. Set as an engine's `_drafts`."""
+
+    def __init__(self, engine: Engine, k: int = 3) -> None:
+        self.engine, self.k, self.calls = engine, k, 0
+
+    def __call__(self, st) -> list[int]:
+        req = st.owner
+        room = req.sampling.max_new_tokens - len(req.output_ids) - 1
+        if room <= 0 or req.sampling.temperature:
+            return []
+        right = self.calls % (self.k + 1)
+        self.calls += 1
+        toks, out = list(st.tokens), []
+        for i in range(min(self.k, room)):
+            if i < right:
+                t = int(self.engine.model.reference(toks)[-1].argmax())
+            else:
+                t = (toks[-1] + 1) % self.engine.model.vocab_size
+            out.append(t)
+            toks.append(t)
+        return out
+
+
+def speculating(engine: Engine) -> Engine:
+    """`engine` (made with SPECULATE) drafting with a GreedyDrafter."""
+    engine._drafts = GreedyDrafter(engine, engine.spec.speculative_num_draft_tokens)
+    return engine
 
 
 def check_exact(engine: Engine, req: Request, oracle=None, tol: float = TOL) -> None:

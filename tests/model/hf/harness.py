@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "engine"))
-from engine_checks import check_exact, greedy, run_checked  # noqa: E402
+from engine_checks import SPECULATE, check_exact, greedy, run_checked, speculating  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 V = 512
@@ -134,12 +134,20 @@ def bit_exact() -> bool:
 
 
 def family_checks(path: str, make_engine, tmp_path, page: int, tol: float = TOL, *,
-                  dtype: torch.dtype = torch.float32, quantization: str = "none") -> None:
-    """Everything for one checkpoint at one page size (see the module docstring)."""
-    from uniradix.engine import Engine
+                  dtype: torch.dtype = torch.float32, quantization: str = "none", speculate: bool = False) -> None:
+    """Everything for one checkpoint at one page size (see the module docstring); with
+    `speculate`, every engine verifies drafts a greedy verify keeps 0 to 3 of (the
+    GreedyDrafter), through every tier: the same checks hold."""
+    from uniradix.engine import Engine as _Engine
     from uniradix.hicache.backends.file import FileBackend
     from uniradix.model.hf import load_checkpoint
     load = functools.partial(load_checkpoint, path, dtype, quantization)
+    if speculate:
+        made = make_engine
+        make_engine = lambda *a, **kw: speculating(made(*a, **kw, **SPECULATE))  # noqa: E731
+        Engine = lambda *a, **kw: speculating(_Engine(*a, **kw, **SPECULATE))  # noqa: E731
+    else:
+        Engine = _Engine
     model = load()
     rng = random.Random(page)
     ids = toks(rng, 40)
@@ -193,6 +201,9 @@ def family_checks(path: str, make_engine, tmp_path, page: int, tol: float = TOL,
     assert d.metrics.storage_tokens > 0
     w.close()
     r.close()
+    if speculate:
+        for e in (eng, small, host, w, r):
+            assert e.counters["spec_verify_steps"] > 0 and e.counters["spec_accepted_tokens"] > 0, e.counters
 
 
 def check_close(engine, req, oracle, tol: float) -> None:
