@@ -346,11 +346,12 @@ class SchedulerConfig(Settings):
         check=flag_bool)
 
 
-#: how drafts are made (SGLang's --speculative-algorithm names): NGRAM, prompt lookup over
-#: the request's own tokens
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
-#: vLLM's --speculative-config methods, and the algorithm each is here
-SPECULATIVE_METHODS = {"ngram": "NGRAM"}
+#: how drafts are made: NGRAM, prompt lookup over the request's own tokens (SGLang's name);
+#: SUFFIX, the continuation of its last tokens anywhere in its tenant's cached tree; both
+SPECULATIVE_ALGORITHMS = ("NGRAM", "SUFFIX", "NGRAM+SUFFIX")
+#: vLLM's --speculative-config methods, and the algorithm each is here (vLLM's suffix
+#: decoding reads the request's own tokens and a global tree: both)
+SPECULATIVE_METHODS = {"ngram": "NGRAM", "suffix": "NGRAM+SUFFIX"}
 #: vLLM's --speculative-config keys, and the setting each is here
 SPECULATIVE_CONFIG_KEYS = {"num_speculative_tokens": "speculative_num_draft_tokens",
                            "prompt_lookup_min": "speculative_ngram_min_match_window_size",
@@ -364,7 +365,10 @@ class SpeculativeConfig(Settings):
 
     speculative_algorithm: str | None = setting(
         None, "how drafts are made: NGRAM, the continuation of the request's last tokens where they occurred "
-              "before in its own prompt and output (prompt lookup); default off", choices=(None, *SPECULATIVE_ALGORITHMS))
+              "before in its own prompt and output (prompt lookup); SUFFIX, their continuation anywhere in what "
+              "the cache holds for the request's tenant (the most used one); NGRAM+SUFFIX, the first where it "
+              "matches at least 4 tokens, else the second; default off",
+        choices=(None, *SPECULATIVE_ALGORITHMS))
     speculative_num_draft_tokens: int = setting(
         4, "draft tokens a request verifies in one step, at most (fewer where the match is short or the reply "
            "nearly done)", check=count(), needs=("spec",))
@@ -375,8 +379,8 @@ class SpeculativeConfig(Settings):
         12, "the most of its last tokens a match is extended to (the longest match among the earlier "
             "occurrences is drafted from)", check=count(), needs=("spec",))
     speculative_config: str | None = setting(
-        None, "vLLM's form, a JSON object: method (ngram), num_speculative_tokens, prompt_lookup_min, "
-              "prompt_lookup_max; read into the settings above", check=optional(text))
+        None, "vLLM's form, a JSON object: method (ngram, or suffix: NGRAM+SUFFIX), num_speculative_tokens, "
+              "prompt_lookup_min, prompt_lookup_max; read into the settings above", check=optional(text))
 
     def __post_init__(self) -> None:
         self._read_vllm_form()

@@ -179,9 +179,15 @@ def test_speculative_benchmark_serves_each_workload_both_ways(tmp_path):
                      "--repeats", "1", "--threads", "1", tmp_path=tmp_path)
     result = json.loads(out.strip().splitlines()[-1])
     assert result["cpu"]["flags"] and result["threads"] == 1
-    assert [r["workload"] for r in result["results"]] == ["chat", "agentic", "document"]
+    modes = ["off", "ngram", "suffix", "both"]
+    assert [(r["workload"], r["mode"]) for r in result["results"]] == \
+        [(w, m) for w in ("chat", "agentic", "document") for m in modes]
     for r in result["results"]:
         assert r["replies_same"] and r["hit_rates_same"], r
-        assert len(r["hit_rates"]) == 2 and r["hit_rates"][1] > 0
-        assert r["verify_steps"] > 0 and 0 <= r["acceptance"] <= 1 and r["tokens_per_verify"] >= 1
-        assert r["medians"]["off"]["output_tps"] > 0 and r["speedup"] > 0
+        assert len(r["hit_rates"]) == 4 and r["hit_rates"][1] > 0   # 2 conversations x 2 turns
+        assert r["output_tps"] > 0 and r["speedup"] > 0
+        if r["mode"] == "off":
+            assert r["verify_steps"] == 0 and r["acceptance"] is None and r["speedup"] == 1
+        elif r["verify_steps"]:
+            assert 0 <= r["acceptance"] <= 1 and r["tokens_per_verify"] >= 1
+    assert any(r["verify_steps"] for r in result["results"] if r["mode"] == "ngram")

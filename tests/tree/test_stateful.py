@@ -38,6 +38,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from uniradix.memory import HandleAllocator
 from uniradix.tree import (Freed, FullComponent, LockError, MambaComponent, RadixTree, SWAComponent,
                            decode)
+from uniradix.tree.drafts import DraftIndex
 
 import helpers  # tests/tree is on sys.path: pytest prepends a test file's folder
 
@@ -209,6 +210,8 @@ class RadixTreeMachine(RuleBasedStateMachine):
         self.P, self.W, self.keep_all, self.policy = page, window, keep_all, policy
         self.tree = RadixTree([FullComponent(), SWAComponent(window, keep_all=keep_all),
                                MambaComponent()], page_size=page, eviction_policy=policy)
+        # speculation's draft index, kept in step with every insert, split and removal
+        self.tree.drafts = DraftIndex(2)
         self.allocs = [HandleAllocator(full_size, "full"), HandleAllocator(swa_size, "swa"),
                        HandleAllocator(mamba_size, "mamba")]
         # the host tier: a multiple of the device's (design.md §4 --hicache-ratio), or less
@@ -1078,6 +1081,27 @@ class RadixTreeMachine(RuleBasedStateMachine):
             if pin.lo[MAMBA]:
                 exp.setdefault(pin.node, [0, 0, 0])[MAMBA] += 1
         return exp
+
+    @invariant()
+    def check_draft_index(self):
+        """The index holds exactly the runs a fresh one over today's tree would: every run
+        of 2 tokens ending in a node's span, under its tenant's root, with where its
+        continuation starts."""
+        if self.tree is None:
+            return
+        want = set()
+        for root in self.tree.roots.values():
+            for nd in self.tree.nodes():
+                if nd.path()[0].parent is not root:
+                    continue
+                toks = helpers.node_tokens(nd)
+                for j in range(nd.start, nd.end):
+                    if j >= 1:
+                        want.add((id(root), bytes(array("I", toks[j - 1:j + 1])), id(nd), j + 1 - nd.start))
+        got = {(key[0], key[1], id(ref.entry[0]), ref.entry[1]) for key, d in self.tree.drafts.runs.items()
+               for ref in d}
+        assert got == want
+        assert sum(len(v) for v in self.tree.drafts.by_node.values()) == len(want)
 
     @invariant()
     def check_everything(self):

@@ -87,6 +87,9 @@ class Engine(Admission, Batching, Speculation):
                              storage_tokens=0, storage_cross_instance_tokens=0, shared_prefixes=0,
                              spec_verify_steps=0, spec_draft_tokens=0, spec_accepted_tokens=0, spec_no_room=0)
         self.spec = config.speculative if config.speculative.on else None
+        if self.spec is not None and "SUFFIX" in self.spec.speculative_algorithm:
+            from ..tree.drafts import DraftIndex
+            self.cache.tree.drafts = DraftIndex()  # kept in step with the tree from its first insert
         #: drafts accepted at each position of a verify chunk (vLLM's accepted tokens per position)
         self.spec_accepted_at = [0] * (self.spec.speculative_num_draft_tokens if self.spec else 0)
         self.holding = 0  # waiting requests held at the last admission for a prefix a running one computes

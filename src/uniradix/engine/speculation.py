@@ -19,13 +19,17 @@ the accepted length and the decode checkpoint at the page boundary a one-token-a
 decode would have kept. Between steps a request is exactly as without speculation, so
 preemption, sessions, in-batch sharing and the tiers' writes see what they always saw.
 
-Drafts (`PromptLookup`): the continuation of the request's last tokens where they
-occurred before in its own prompt and output (vLLM's and llama.cpp's prompt lookup,
+Drafts. NGRAM (`PromptLookup`): the continuation of the request's last tokens where
+they occurred before in its own prompt and output (vLLM's and llama.cpp's prompt lookup,
 SGLang's NGRAM flags): the earlier occurrence that matches the most of its last tokens
-(up to --speculative-ngram-max-match-window-size), the newest among equals. Its length
-follows the evidence: twice the match, at most --speculative-num-draft-tokens, and the
-tokens the reply has left; a request whose drafts keep being rejected stops drafting for a
-while (a pause that doubles each time), so plain chat is not slowed by speculation."""
+(up to --speculative-ngram-max-match-window-size), the newest among equals, at most twice
+the match long. SUFFIX: the continuation of its last GRAM tokens anywhere in what the
+cache holds for its tenant, the most used one (tree/drafts.py: an index over the tree's
+own spans, kept in step by the tree): the cache that saves prefill also drafts decode.
+NGRAM+SUFFIX: the first where its match holds GRAM tokens, else the second. Drafts are at
+most --speculative-num-draft-tokens and the tokens the reply has left; a request whose
+drafts keep being rejected stops drafting for a while (a pause that doubles each time),
+so plain chat is not slowed by speculation."""
 from __future__ import annotations
 
 import time
@@ -34,6 +38,8 @@ import torch
 
 from ..cache import CacheFull, RequestState
 from ..model import PagedInput
+from ..tree import encode
+from ..tree.drafts import GRAM
 from .sampling import accept_draft
 
 #: earlier occurrences of the last min-n tokens compared, newest first
@@ -50,12 +56,13 @@ class PromptLookup:
     current end: the continuation of the earlier occurrence that matches the most of the
     last tokens (at most `max_n`)."""
 
-    __slots__ = ("min_n", "max_n", "where", "seen")
+    __slots__ = ("min_n", "max_n", "where", "seen", "matched")
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
         self.where: dict[tuple, list[int]] = {}
         self.seen = 0  # continuations indexed: positions [min_n, seen)
+        self.matched = 0  # tokens the last draft's match held
 
     def _index(self, tokens: list[int]) -> None:
         n = self.min_n
@@ -67,6 +74,7 @@ class PromptLookup:
         """Up to `k` draft tokens to follow `tokens` (empty when its end never occurred
         before)."""
         n, L = self.min_n, len(tokens)
+        self.matched = 0
         if k <= 0 or L <= n:
             return []
         self._index(tokens)
@@ -84,6 +92,7 @@ class PromptLookup:
                 best, at = m, pos
                 if m == self.max_n:
                     break
+        self.matched = best
         return tokens[at:at + min(k, 2 * best)]
 
 
@@ -147,13 +156,24 @@ class Speculation:
         return out
 
     def _drafts(self, st: RequestState) -> list[int]:
-        """The drafts of a decoding request this step (its prompt lookup's), at most what
-        its reply has room for after the verify's own next token."""
+        """The drafts of a decoding request this step, at most what its reply has room
+        for after the verify's own next token: its prompt lookup's (NGRAM), the cache's
+        (SUFFIX), or the first where its match holds GRAM tokens or more, else the
+        second (NGRAM+SUFFIX)."""
         req = st.owner
         room = req.sampling.max_new_tokens - len(req.output_ids) - 1
         if room <= 0:
             return []
-        return st.spec.lookup.propose(st.tokens, min(self.spec.speculative_num_draft_tokens, room))
+        k = min(self.spec.speculative_num_draft_tokens, room)
+        algo = self.spec.speculative_algorithm
+        own = st.spec.lookup.propose(st.tokens, k) if algo != "SUFFIX" else []
+        if algo == "NGRAM" or (own and st.spec.lookup.matched >= GRAM):
+            return own
+        index = self.cache.tree.drafts
+        if index is None or len(st.tokens) < GRAM:
+            return own
+        cached = index.propose(self.cache.tree.find_root(st.salt), encode(st.tokens[-GRAM:]), k)
+        return cached or own
 
     def _verify(self, st: RequestState, inp: PagedInput, logits: torch.Tensor, done: list) -> None:
         """Keep the longest run of drafts the model agrees with and its own token after

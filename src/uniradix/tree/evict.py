@@ -239,6 +239,8 @@ class Evicting:
         parent = nd.parent
         del parent.children[nd.key[:self.unit]]
         nd.attached = False
+        if self.drafts is not None:
+            self.drafts.remove(nd)
         where, nc = nd.where, self.nc
         for slot, tier in enumerate(where):  # out of every list now: a list popped seldom (a pool
             if tier:                         # rarely short) would otherwise keep removed nodes for good

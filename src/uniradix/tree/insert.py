@@ -196,6 +196,8 @@ class Inserting:
         nn = Node(key[s * TOKEN_BYTES: e * TOKEN_BYTES], s, e, parent, self.nc)
         parent.children[key[s * TOKEN_BYTES: s * TOKEN_BYTES + self.unit]] = nn
         self.num_nodes += 1
+        if self.drafts is not None:
+            self.drafts.add(nn)
         return nn
 
 

@@ -91,6 +91,7 @@ class RadixTree(Inserting, Locking, Tiers, Evicting):
         self._rules = self.components[1:]  # components that can make a leaf useless
         self._kept: list[Node] = []  # FULL an eviction had to keep (see finish_eviction)
         self.structural = self.components[0]  # the component that shapes the tree (FULL)
+        self.drafts = None  # a drafts.DraftIndex over the spans, kept in step (speculation's SUFFIX drafts)
 
     def root(self, salt=None) -> Node:
         """The root of one tenant's tree (created on first use). `roots` is keyed by
@@ -237,6 +238,8 @@ class RadixTree(Inserting, Locking, Tiers, Evicting):
             up.refs[ci] = nd.refs[ci]
         self.num_nodes += 1
         self._place_all(up)
+        if self.drafts is not None:
+            self.drafts.split(nd, up, k)
         return up
 
     def _ensure_boundary(self, nd: Node, pos: int) -> bool:
