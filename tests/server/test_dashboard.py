@@ -78,11 +78,12 @@ def shown(dom: str) -> Numbers:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """Every section has something to show: a host tier and a file L3 under it."""
+    """Every section has something to show: a host tier and a file L3 under it, and
+    speculation (prompt lookup)."""
     store = tmp_path_factory.mktemp("l3")
     s = ServerProc("--max-total-tokens", "1024", "--enable-hierarchical-cache", "--hicache-ratio", "2",
                    "--hicache-storage-backend", "file", "--hicache-storage-backend-extra-config",
-                   json.dumps({"path": str(store)}))
+                   json.dumps({"path": str(store)}), "--speculative-algorithm", "NGRAM")
     yield s
     assert s.stop() == 0, "".join(s.lines[-30:])
 
@@ -136,13 +137,16 @@ def test_the_page_shows_what_metrics_says_before_and_after_traffic(server):
     components = [c["name"] for c in server.get("/dashboard/data")[1]["components"]]
     need = {f'uniradix_cached_tokens_total{{tier="{t}"}}' for t in ("device", "host", "storage")}
     need |= {"uniradix_running_requests", "uniradix_waiting_requests", "uniradix_sessions_open",
-             "uniradix_storage_hits_total", "uniradix_storage_errors_total", "uniradix_storage_written_bytes_total"}
+             "uniradix_storage_hits_total", "uniradix_storage_errors_total", "uniradix_storage_written_bytes_total",
+             "uniradix_spec_decode_num_drafts_total", "uniradix_spec_decode_num_draft_tokens_total",
+             "uniradix_spec_decode_num_accepted_tokens_total"}
     for c in components:
         need |= {f'{name}{{component="{c}"}}' for name in (
             "uniradix_pool_pages", "uniradix_pool_available_pages", "uniradix_cached_pages", "uniradix_tombstones",
             "uniradix_host_pool_pages", "uniradix_host_pool_available_pages", "uniradix_host_cached_pages")}
     assert need <= set(after), sorted(need - set(after))
     assert after["uniradix_storage_written_bytes_total"] > 0  # write-through reached the store
+    assert after["uniradix_spec_decode_num_drafts_total"] > 0  # the prompts' runs of numbers draft their replies
 
 
 @needs_browser
