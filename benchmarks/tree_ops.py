@@ -62,7 +62,7 @@ def synthetic_trace(n: int, seed: int = 0, vocab: int = 50_000) -> list[list[int
     return out
 
 
-def build(mode: str, capacity: int, page_size: int, policy: str) -> UnifiedRadixCache:
+def build(mode: str, capacity: int, page_size: int, policy: str, drafts: bool = False) -> UnifiedRadixCache:
     comps = [FullComponent()]
     pools = {"full": HandleAllocator(capacity // page_size, "full")}
     if mode == "swa":
@@ -72,11 +72,15 @@ def build(mode: str, capacity: int, page_size: int, policy: str) -> UnifiedRadix
         comps.append(MambaComponent())
         pools["mamba"] = HandleAllocator(MAMBA_SLOTS, "mamba")
     tree = RadixTree(comps, page_size=page_size, eviction_policy=policy)
+    if drafts:  # what speculation's SUFFIX drafts cost the tree: its index of the spans, kept in step
+        from uniradix.tree.drafts import DraftIndex
+        tree.drafts = DraftIndex()
     return UnifiedRadixCache(tree, pools, copy_checkpoints=False)
 
 
-def run(trace: list[list[int]], mode: str, capacity: int, page_size: int = 1, policy: str = "lru") -> dict:
-    cache = build(mode, capacity, page_size, policy)
+def run(trace: list[list[int]], mode: str, capacity: int, page_size: int = 1, policy: str = "lru",
+        drafts: bool = False) -> dict:
+    cache = build(mode, capacity, page_size, policy, drafts)
     mamba = mode == "mamba"
     hit = tokens = 0
     t0 = time.perf_counter()
@@ -110,6 +114,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=1)
     ap.add_argument("--radix-eviction-policy", default="lru")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
+    ap.add_argument("--draft-index", action="store_true",
+                    help="keep speculation's draft index over the spans (what --speculative-algorithm SUFFIX costs)")
     ap.add_argument("--no-gc-freeze", action="store_true",
                     help="leave the loaded trace in the cyclic GC's view (slower, as the peers' harness does)")
     a = ap.parse_args()
@@ -123,7 +129,7 @@ def main() -> None:
         # The input (millions of token ints in lists) would otherwise be rescanned by
         # every full collection; the cache's own objects are collected as usual.
         gc.freeze()
-    r = run(trace, a.mode, a.capacity, a.page_size, a.radix_eviction_policy)
+    r = run(trace, a.mode, a.capacity, a.page_size, a.radix_eviction_policy, a.draft_index)
     if not a.json:
         for k, v in r.items():
             print(f"{k:16s} {v}")

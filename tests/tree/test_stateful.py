@@ -1098,8 +1098,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
                 for j in range(nd.start, nd.end):
                     if j >= 1:
                         want.add((id(root), bytes(array("I", toks[j - 1:j + 1])), id(nd), j + 1 - nd.start))
-        got = {(key[0], key[1], id(ref.entry[0]), ref.entry[1]) for key, d in self.tree.drafts.runs.items()
-               for ref in d}
+        got = {(key[0], key[1], id(e[0]), e[1]) for key, d in self.tree.drafts.runs.items() for e in d.values()}
         assert got == want
         assert sum(len(v) for v in self.tree.drafts.by_node.values()) == len(want)
 

@@ -24,14 +24,16 @@ CANDIDATES = 256
 
 
 class DraftIndex:
-    """Where each run of `gram` tokens occurs in a RadixTree's spans (see the module)."""
+    """Where each run of `gram` tokens occurs in a RadixTree's spans (see the module). An
+    entry is [node, where its continuation starts in the node's span, its run's key],
+    held by its run's dict (keyed by the entry's id) and by its node's list."""
 
     def __init__(self, gram: int = GRAM) -> None:
         if gram < 1:
             raise ValueError(f"a draft index needs runs of at least one token, got {gram}")
         self.gram = gram
-        self.runs: dict[tuple[int, bytes], dict[list, None] | dict] = {}
-        self.by_node: dict[int, list] = {}   # id(node) -> [(run key, entry)]
+        self.runs: dict[tuple[int, bytes], dict[int, list]] = {}
+        self.by_node: dict[int, list[list]] = {}   # id(node) -> its entries
 
     def __len__(self) -> int:
         return sum(len(v) for v in self.by_node.values())
@@ -44,18 +46,19 @@ class DraftIndex:
         before, root = _before(node, g - 1)
         buf = before + node.key
         lead = len(before) // tb
-        n = len(node.key) // tb
         rid = id(root)
         runs, mine = self.runs, []
-        for j in range(max(0, g - 1 - lead), n):  # the run ending at span token j
+        width = g * tb
+        for j in range(max(0, g - 1 - lead), len(node.key) // tb):  # the run ending at span token j
             a = (lead + j + 1 - g) * tb
-            key = (rid, buf[a:a + g * tb])
-            entry = [node, j + 1]  # the node, and where its continuation starts in the span
+            key = (rid, buf[a:a + width])
+            entry = [node, j + 1, key]
             d = runs.get(key)
             if d is None:
-                d = runs[key] = {}
-            d[_Ref(entry)] = None
-            mine.append((key, entry))
+                runs[key] = {id(entry): entry}
+            else:
+                d[id(entry)] = entry
+            mine.append(entry)
         if mine:
             self.by_node[id(node)] = mine
 
@@ -66,13 +69,13 @@ class DraftIndex:
         if not mine:
             return
         up, low = [], []
-        for key, entry in mine:
+        for entry in mine:
             if entry[1] <= k:
                 entry[0] = upper
-                up.append((key, entry))
+                up.append(entry)
             else:
                 entry[1] -= k
-                low.append((key, entry))
+                low.append(entry)
         if up:
             self.by_node[id(upper)] = up
         if low:
@@ -83,12 +86,12 @@ class DraftIndex:
     def remove(self, node) -> None:
         """A node left the tree: its runs go too."""
         runs = self.runs
-        for key, entry in self.by_node.pop(id(node), ()):
-            d = runs.get(key)
-            if d is not None:
-                d.pop(_Ref(entry), None)
-                if not d:
-                    del runs[key]
+        for entry in self.by_node.pop(id(node), ()):
+            key = entry[2]
+            d = runs[key]
+            del d[id(entry)]
+            if not d:
+                del runs[key]
 
     # ------------------------------------------------------------------ drafts
     def propose(self, root, tail: bytes, k: int) -> list[int]:
@@ -99,8 +102,7 @@ class DraftIndex:
         d = self.runs.get((id(root), tail))
         if not d:
             return []
-        best = max(islice(reversed(d), CANDIDATES), key=lambda r: (r.entry[0].hits, r.entry[0].tick))
-        node, at = best.entry
+        node, at, _ = max(islice(reversed(d.values()), CANDIDATES), key=lambda e: (e[0].hits, e[0].tick))
         out: list[int] = []
         while len(out) < k:
             n = len(node.key) // TOKEN_BYTES
@@ -111,21 +113,6 @@ class DraftIndex:
                 break
             node, at = max(node.children.values(), key=lambda c: (c.hits, c.tick)), 0
         return out
-
-
-class _Ref:
-    """An entry as a dict key by identity (entries are lists, changed in place)."""
-
-    __slots__ = ("entry",)
-
-    def __init__(self, entry: list) -> None:
-        self.entry = entry
-
-    def __hash__(self) -> int:
-        return id(self.entry)
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, _Ref) and other.entry is self.entry
 
 
 def _before(node, n: int) -> tuple[bytes, object]:
