@@ -106,6 +106,11 @@ def _print_engine(engine, a) -> None:
     print(f"hit rate = cached prefix tokens / prompt tokens of the requests served, summed per round; "
           f"input tok/s counts cached tokens too.\nengine: {s['prefill_tokens']} prefill and {s['decode_tokens']} decode "
           f"tokens computed, {s['preemptions']} preemptions, {ev} FULL pages evicted, {s['errors']} errors")
+    if engine.spec is not None:
+        steps = s["spec_verify_steps"]
+        print(f"speculation ({engine.spec.speculative_algorithm}): {s['spec_accepted_tokens']} of "
+              f"{s['spec_draft_tokens']} drafts kept in {steps} verify steps"
+              + (f", {(s['spec_accepted_tokens'] + steps) / steps:.2f} tokens a verify step" if steps else ""))
     if engine.hierarchical:
         h = s["cache"]["host"]
         full = s["cache"]["components"][first]

@@ -58,6 +58,13 @@ def test_run_prints_rounds_as_json(capsys):
     assert out["engine"]["finished"] == 6
 
 
+def test_run_with_speculation_says_what_its_drafts_did(capsys):
+    assert main(["run", "--clients", "2", "--rounds", "2", "--tokens-per-round", "8", "--output-tokens", "6",
+                 "--speculative-algorithm", "NGRAM+SUFFIX", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "speculation (NGRAM+SUFFIX): " in out and "verify steps" in out
+
+
 def test_run_prints_a_table(capsys):
     assert main(["run", "--clients", "2", "--rounds", "2", "--tokens-per-round", "8", "--output-tokens", "2",
                  "--model-preset", "jamba-like", "--no-progress"]) == 0
@@ -91,6 +98,9 @@ def test_run_prints_a_table(capsys):
     (["--enable-hierarchical-cache", "--hicache-size", "0.000001"], "--hicache-size"),
     (["--hicache-write-policy", "write_back"], "--enable-hierarchical-cache"),
     (["--first-round-tokens", "0"], "--first-round-tokens"),
+    (["--speculative-num-draft-tokens", "3"], "no effect without speculative decoding"),
+    (["--speculative-config", '{"method": "eagle"}'], "--speculative-config"),
+    (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "0"], "--speculative-num-draft-tokens"),
 ])
 def test_bad_flags_are_clear_errors(capsys, flags, message):
     assert main(["run", "--no-progress", *flags]) == 2
