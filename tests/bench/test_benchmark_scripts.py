@@ -118,3 +118,22 @@ def test_llama_cpp_is_run_as_chat_is_served(monkeypatch):
         cmd, _ = svp.command(svp.SERVERS["llamacpp"], a, 8000)
         flags = [cmd[i + 1] for i, c in enumerate(cmd) if c == "--logits_all"]
         assert flags[0] == "false" and flags[-1] == want
+
+
+def test_speculative_servers_dry_run_compares_a_server_with_and_without(tmp_path):
+    """benchmarks/speculative_servers.py --dry: `uniradix serve` on the embedded model with
+    speculation off, then on, over streamed chat: every reply the same text on both sides
+    (the stream's text does not depend on how many tokens a step brought), the hit rate
+    of every turn the same, the figures printed; both servers stopped."""
+    figures = tmp_path / "figures.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "speculative_servers.py"), "--dry", "--server-cpus", "none",
+           "--turns", "2", "--output-tokens", "12", "--log-dir", str(tmp_path / "logs"), "--json", str(figures)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    (r,) = json.loads(figures.read_text())["results"]
+    assert r["server"] == "uniradix-embedded" and "error" not in r["off"] and "error" not in r["on"]
+    assert set(r["compared"]) == {"chat", "agentic", "document"}
+    for c in r["compared"].values():
+        assert c["replies_same"] == c["replies"] == 4 and c["hit_rates_same"] and c["speedup"] > 0
+    assert "replies same" in out.stdout

@@ -46,3 +46,21 @@ def test_sessions_expire_only_when_idle():
     assert s.expired(now=1e12) == [(a, None)]  # b and implicit: no timeout
     assert s.close(a) and not s.close(a)
     assert s.next_deadline() is None and s.is_open(b)
+
+
+def test_the_text_is_the_same_however_the_tokens_come_grouped():
+    """A speculative step brings several tokens at once: a character split across a
+    group's end waits for its last byte, invalid bytes show as U+FFFD, and the text a
+    stream ends with (and every text it shows on the way) is the same for groups of 1,
+    2, 3, 5 or all of them."""
+    data = "ab é€x 😀y".encode() + b"\xc5a\x80\x80\xe2\x82" + "ü 中文z".encode() + b"\xff\xf0\x9f"
+    results = {}
+    for size in (1, 2, 3, 5, len(data)):
+        out = TextOut(ByteTokenizer())
+        shown = []
+        for i in range(0, len(data), size):
+            shown.append(out.update(list(data[i:i + size]), i + size >= len(data)))
+        assert all(a == b[:len(a)] for a, b in zip(shown, shown[1:])), size
+        results[size] = shown[-1]
+    assert len(set(results.values())) == 1, results
+    assert results[1] == ByteTokenizer().decode(list(data))

@@ -28,17 +28,31 @@ class TextOut:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
 
     def _advance(self, final: bool) -> None:
-        """Decode what the new ids add; an incomplete character waits for the next token,
-        at most 3 of them (a character is at most 4 bytes, a token at least one): after
-        that, or once the output is final, the bytes are invalid and show as U+FFFD."""
-        if self.read == len(self.ids):
+        """Decode what the new ids add, up to the last whole character: the tokens of one
+        still incomplete at the end wait for the next, at most 3 of them (a character is
+        at most 4 bytes, a token at least one, so bytes before the last 3 can no longer
+        become a character: invalid ones show as U+FFFD); once the output is final,
+        everything shows. Where the cut falls depends on the tokens alone, not on how
+        many came at once (a speculative step brings several), so a stream's text is the
+        same however its tokens were grouped."""
+        end = len(self.ids)
+        if self.read == end:
             return
         before = self.decode(self.ids[self.prefix:self.read])
-        now = self.decode(self.ids[self.prefix:])
-        waited = len(self.ids) - self.read
-        if len(now) > len(before) and (final or not now.endswith("\ufffd") or waited > 3):
+        upto, now = end, self.decode(self.ids[self.prefix:end])
+        if not final and now.endswith("\ufffd"):
+            for held in range(1, 4):  # the fewest trailing tokens whose bytes end an incomplete character
+                if end - held <= self.read:
+                    return
+                cut = self.decode(self.ids[self.prefix:end - held])
+                if not cut.endswith("\ufffd"):
+                    upto, now = end - held, cut
+                    break
+            else:  # none of the last 3 ends a character: what lies before them is final (invalid
+                upto, now = end - 3, cut  # bytes), the 3 wait for what follows, as any would
+        if len(now) > len(before):
             self.text += now[len(before):]
-            self.prefix, self.read = self.read, len(self.ids)
+            self.prefix, self.read = self.read, upto
 
     def update(self, new: list[int], done: bool) -> str:
         """Add tokens; returns the text that may be shown now (all of it once done)."""
