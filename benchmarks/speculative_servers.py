@@ -152,6 +152,7 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     peers.pin_servers(a)
     a.log_dir = a.log_dir or tempfile.mkdtemp(prefix="speculative_servers-")
+    os.makedirs(a.log_dir, exist_ok=True)
     names = ["uniradix-embedded"] if a.dry else [x for x in a.servers.split(",") if x]
     specs, eos_ids = [], []
     for n in names:
