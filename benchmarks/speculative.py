@@ -2,8 +2,9 @@
 speculation off, with prompt lookup (NGRAM), with drafts from the cache (SUFFIX) and with
 both (NGRAM+SUFFIX), interleaved; per workload and mode the output tokens/s, decode ms per
 output token, the speed against speculation off, the share of drafts kept, the tokens a
-verify step yields, whether the hit rate of every turn and the replies are the same as
-speculation off's (greedy: they must be).
+verify step yields, the speed of its slowest turn against the same turn with speculation
+off (a turn: one request, prefill and reply), whether the hit rate of every turn and the
+replies are the same as speculation off's (greedy: they must be).
 
     python benchmarks/speculative.py                         # the real Gemma 3 270M GGUF
     python benchmarks/speculative.py --precisions float32:none,float32:stored --repeats 3
@@ -102,7 +103,7 @@ def serve(engine, conversations: list[list[str]], out_tokens: int) -> dict:
     the new text), the conversations one after another on the same engine; per turn its
     hit rate, and the run's output figures."""
     from uniradix.engine import Request, SamplingParams
-    rows, replies = [], []
+    rows, replies, walls = [], [], []
     out = decode_s = turns_n = 0
     t0 = time.perf_counter()
     for texts in conversations:
@@ -110,7 +111,9 @@ def serve(engine, conversations: list[list[str]], out_tokens: int) -> dict:
         for text in texts:
             ids = ids + engine.tokenizer.encode(text) if ids else engine.tokenizer.encode(text)
             req = Request(input_ids=ids, sampling=SamplingParams(max_new_tokens=out_tokens))
+            t = time.perf_counter()
             engine.run([req])
+            walls.append(time.perf_counter() - t)
             if req.status != "finished":
                 raise RuntimeError(f"a request failed: {req.error}")
             m = req.metrics
@@ -123,7 +126,7 @@ def serve(engine, conversations: list[list[str]], out_tokens: int) -> dict:
     wall = time.perf_counter() - t0
     c = engine.counters
     steps = c["spec_verify_steps"]
-    return dict(hit_rates=rows, replies=replies, output_tokens=out, wall_s=wall, output_tps=out / wall,
+    return dict(hit_rates=rows, replies=replies, turn_s=walls, output_tokens=out, wall_s=wall, output_tps=out / wall,
                 decode_ms=1000 * decode_s / max(1, out - turns_n),
                 drafts=c["spec_draft_tokens"], accepted=c["spec_accepted_tokens"], verify_steps=steps,
                 acceptance=c["spec_accepted_tokens"] / c["spec_draft_tokens"] if c["spec_draft_tokens"] else None,
@@ -155,7 +158,7 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=2, help="conversations a workload, one after another")
     p.add_argument("--modes", default=",".join(MODES), help=f"from {', '.join(MODES)} (off always runs)")
     p.add_argument("--output-tokens", type=int, default=96)
-    p.add_argument("--draft-tokens", type=int, default=4, help="--speculative-num-draft-tokens")
+    p.add_argument("--draft-tokens", type=int, default=8, help="--speculative-num-draft-tokens")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
@@ -202,6 +205,8 @@ def main() -> None:
                            output_tps=statistics.median(r["output_tps"] for r in rs),
                            decode_ms=statistics.median(r["decode_ms"] for r in rs),
                            speedup=statistics.median(y["output_tps"] / x["output_tps"] for x, y in zip(off, rs)),
+                           slowest_turn=statistics.median(min(p / q for p, q in zip(x["turn_s"], y["turn_s"]))
+                                                          for x, y in zip(off, rs)),
                            replies_same=all(x["replies"] == y["replies"] for x, y in zip(off, rs)),
                            hit_rates_same=all(x["hit_rates"] == y["hit_rates"] for x, y in zip(off, rs)),
                            hit_rates=rs[0]["hit_rates"], acceptance=rs[0]["acceptance"],
@@ -209,7 +214,7 @@ def main() -> None:
                            output_tokens=rs[0]["output_tokens"])
                 results.append(res)
                 print(f"{prec:<16} {name:<9} {mode:<6} {res['output_tps']:6.1f} tok/s {res['decode_ms']:6.1f} "
-                      f"ms/token  x{res['speedup']:.2f}  drafts kept "
+                      f"ms/token  x{res['speedup']:.2f} (slowest turn x{res['slowest_turn']:.2f})  drafts kept "
                       f"{'-' if res['acceptance'] is None else format(res['acceptance'], '.0%'):>4}, "
                       f"{res['tokens_per_verify'] or 0:.2f} tokens a verify; replies "
                       f"{'same' if res['replies_same'] else 'DIFFER'}, hit rates per turn "

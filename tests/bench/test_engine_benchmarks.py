@@ -185,9 +185,10 @@ def test_speculative_benchmark_serves_each_workload_both_ways(tmp_path):
     for r in result["results"]:
         assert r["replies_same"] and r["hit_rates_same"], r
         assert len(r["hit_rates"]) == 4 and r["hit_rates"][1] > 0   # 2 conversations x 2 turns
-        assert r["output_tps"] > 0 and r["speedup"] > 0
+        assert r["output_tps"] > 0 and r["speedup"] > 0 and r["slowest_turn"] > 0
         if r["mode"] == "off":
             assert r["verify_steps"] == 0 and r["acceptance"] is None and r["speedup"] == 1
+            assert r["slowest_turn"] == 1
         elif r["verify_steps"]:
             assert 0 <= r["acceptance"] <= 1 and r["tokens_per_verify"] >= 1
     assert any(r["verify_steps"] for r in result["results"] if r["mode"] == "ngram")

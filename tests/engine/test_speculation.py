@@ -16,7 +16,7 @@ import torch
 
 from engine_checks import PAGE_SIZES, PRESET_NAMES, Engine, Request, SamplingParams, check_exact, run_checked
 from uniradix.config import EngineConfig
-from uniradix.engine.speculation import Drafting, PromptLookup
+from uniradix.engine.speculation import ROW_COST, Drafting, PromptLookup
 
 SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
 
@@ -49,9 +49,10 @@ def test_prompt_lookup_drafts_the_longest_match_newest_first():
     # "1 2 3" occurred at 0 (then 9) and "2 3" at 5 (then 7): the longer match wins
     assert pl.propose(t, 4) == [9, 8, 2, 3]
     assert pl.propose(t, 2) == [9, 8]                       # k bounds it
-    assert PromptLookup(1, 1).propose(t, 4) == [7, 6]       # one token of evidence: two drafts, the newest
+    assert PromptLookup(1, 1).propose(t, 4) == [7, 6, 1, 2]  # one token of evidence: the newest
     assert pl.propose(t + [5], 4) == []                     # 5 never occurred before
-    assert PromptLookup(1, 4).propose([4, 4], 3) == [4]     # the continuation may run into the end
+    assert PromptLookup(1, 4).propose([4, 4], 3) == [4, 4, 4]  # a run into the end goes on repeating
+    assert PromptLookup(2, 8).propose([9, 5, 6, 7, 5, 6, 7, 5], 5) == [6, 7, 5, 6, 7]
     assert PromptLookup(3, 4).propose([1, 2, 3, 1, 2], 4) == []  # fewer than min_n tokens match
 
 
@@ -64,6 +65,25 @@ def test_prompt_lookup_indexes_tokens_as_they_come():
     assert pl.seen == len(t)
     t += [7, 9, 5, 6]   # now "5 6" was followed by 7 then... the newest occurrence with the longest match
     assert pl.propose(t, 2) == [7, 9]
+
+
+def test_draft_length_follows_how_the_requests_drafts_went():
+    d = Drafting(PromptLookup(1, 2))
+    first = d.length(16)
+    assert 1 <= first < 16                      # no record yet: a few
+    assert d.length(2) == min(first, 2)         # never past k
+    for _ in range(6):
+        d.judged(first, first)                  # everything kept: longer each time
+    assert d.length(16) == 16
+    for _ in range(12):
+        d.judged(8, 0)                          # nothing kept: one draft
+    assert d.length(16) == 1
+    # the rule itself: the d-th draft while a^d >= ROW_COST, a = kept / (kept + lost)
+    for kept, lost in ((3.0, 1.0), (9.0, 1.0), (1.0, 4.0)):
+        d.kept, d.lost = kept, lost
+        a = kept / (kept + lost)
+        want = max(1, max(n for n in range(0, 17) if a ** n >= ROW_COST))
+        assert d.length(16) == min(16, want)
 
 
 def test_a_request_whose_drafts_fail_pauses_longer_each_time():

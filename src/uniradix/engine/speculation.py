@@ -22,14 +22,21 @@ preemption, sessions, in-batch sharing and the tiers' writes see what they alway
 Drafts. NGRAM (`PromptLookup`): the continuation of the request's last tokens where
 they occurred before in its own prompt and output (vLLM's and llama.cpp's prompt lookup,
 SGLang's NGRAM flags): the earlier occurrence that matches the most of its last tokens
-(up to --speculative-ngram-max-match-window-size), the newest among equals, at most twice
-the match long. SUFFIX: the continuation of its last GRAM tokens anywhere in what the
+(up to --speculative-ngram-max-match-window-size), the newest among equals; where that
+continuation reaches the end (the reply repeats itself), it goes on repeating. SUFFIX: the continuation of its last GRAM tokens anywhere in what the
 cache holds for its tenant, the most used one (tree/drafts.py: an index over the tree's
 own spans, kept in step by the tree): the cache that saves prefill also drafts decode.
-NGRAM+SUFFIX: the first where its match holds GRAM tokens, else the second. Drafts are at
-most --speculative-num-draft-tokens and the tokens the reply has left; a request whose
-drafts keep being rejected stops drafting for a while (a pause that doubles each time),
-so plain chat is not slowed by speculation."""
+NGRAM+SUFFIX: the first where its match holds GRAM tokens, else the second.
+
+How many drafts. A verify row costs a share of a step (its compute: the step reads every
+weight once whatever its rows), and the d-th draft pays only when every draft before it
+is kept too. Each request keeps how its drafts went (kept drafts, and verifies that ended
+at a rejected one, both decaying), which makes a the chance that a draft is kept given
+the one before it was: it drafts while a^d is at least ROW_COST, so a request that keeps
+what it drafts (a file re-emitted, a document quoted) drafts long and one that does not
+drafts short, at most --speculative-num-draft-tokens and the tokens the reply has left. A
+request whose drafts keep being rejected stops drafting for a while (a pause that doubles
+each time), so plain chat is not slowed by speculation."""
 from __future__ import annotations
 
 import time
@@ -48,6 +55,12 @@ CANDIDATES = 64
 LOW_ACCEPTANCE = 0.3
 #: the longest pause, in decode steps
 MAX_PAUSE = 64
+#: what one more row of a verify chunk costs, as a share of a one-row decode step (its
+#: compute; measured 0.07-0.16 a row at 4-16 rows on the README's CPUs and precisions):
+#: a draft is worth its row while the chance that it is kept is at least this
+ROW_COST = 0.1
+#: how much of a request's draft record each verify keeps (the rest is forgotten)
+MEMORY = 0.8
 
 
 class PromptLookup:
@@ -93,23 +106,41 @@ class PromptLookup:
                 if m == self.max_n:
                     break
         self.matched = best
-        return tokens[at:at + min(k, 2 * best)]
+        out = tokens[at:at + k]
+        while len(out) < k:  # the occurrence runs into the end: a repeating run goes on repeating
+            out.append(out[len(out) - (L - at)])
+        return out
 
 
 class Drafting:
     """A request's speculation: its drafter, the drafts of the step in flight, and how
-    well its drafts do (a moving average of the share accepted, and a pause)."""
+    well its drafts do: the drafts kept and the verifies that ended at a rejected draft
+    (decaying counts, a prior of one each: how long to draft), and a moving average of
+    the share kept with a pause (whether to draft)."""
 
-    __slots__ = ("lookup", "pending", "rate", "pause", "wait")
+    __slots__ = ("lookup", "pending", "kept", "lost", "rate", "pause", "wait")
 
     def __init__(self, lookup: PromptLookup) -> None:
         self.lookup = lookup
         self.pending: list[int] | None = None
+        self.kept = self.lost = 1.0
         self.rate = 1.0
         self.pause = 0   # the next pause's length, in steps
         self.wait = 0    # steps left before drafting again
 
+    def length(self, k: int) -> int:
+        """The drafts worth verifying, at most k: the most d with a^d >= ROW_COST, where a
+        is the chance that a draft is kept after a kept one (kept / (kept + lost), the
+        geometric run's estimate); at least one."""
+        a = self.kept / (self.kept + self.lost)
+        d = 1
+        while d < k and a ** (d + 1) >= ROW_COST:
+            d += 1
+        return d
+
     def judged(self, drafted: int, accepted: int) -> None:
+        self.kept = MEMORY * self.kept + accepted
+        self.lost = MEMORY * self.lost + (accepted < drafted)
         self.rate = 0.7 * self.rate + 0.3 * (accepted / drafted)
         if self.rate < LOW_ACCEPTANCE:
             self.pause = min(MAX_PAUSE, max(1, 2 * self.pause))
@@ -164,7 +195,7 @@ class Speculation:
         room = req.sampling.max_new_tokens - len(req.output_ids) - 1
         if room <= 0:
             return []
-        k = min(self.spec.speculative_num_draft_tokens, room)
+        k = st.spec.length(min(self.spec.speculative_num_draft_tokens, room))
         algo = self.spec.speculative_algorithm
         own = st.spec.lookup.propose(st.tokens, k) if algo != "SUFFIX" else []
         if algo == "NGRAM" or (own and st.spec.lookup.matched >= GRAM):
