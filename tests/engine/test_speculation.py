@@ -16,7 +16,7 @@ import torch
 
 from engine_checks import PAGE_SIZES, PRESET_NAMES, Engine, Request, SamplingParams, check_exact, run_checked
 from uniradix.config import EngineConfig
-from uniradix.engine.speculation import ROW_COST, Drafting, PromptLookup
+from uniradix.engine.speculation import ROW_COST, draft_bar, Drafting, PromptLookup
 
 SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
 
@@ -84,6 +84,15 @@ def test_draft_length_follows_how_the_requests_drafts_went():
         a = kept / (kept + lost)
         want = max(1, max(n for n in range(0, 17) if a ** n >= ROW_COST))
         assert d.length(16) == min(16, want)
+
+
+def test_a_batch_asks_more_of_a_draft_than_one_request_alone():
+    bars = [draft_bar(n) for n in (0, 1, 2, 4, 16, 64)]
+    assert bars[0] == bars[1] == ROW_COST                # alone: a row against a one-row step
+    assert bars == sorted(bars) and bars[2] < bars[3] < bars[-1] < 1
+    d = Drafting(PromptLookup(1, 2))
+    d.kept, d.lost = 4.0, 1.0                            # a = 0.8
+    assert d.length(16, draft_bar(1)) > d.length(16, draft_bar(8)) >= 1
 
 
 def test_a_request_whose_drafts_fail_pauses_longer_each_time():

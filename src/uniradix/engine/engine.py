@@ -92,6 +92,7 @@ class Engine(Admission, Batching, Speculation):
             self.cache.tree.drafts = DraftIndex()  # kept in step with the tree from its first insert
         #: drafts accepted at each position of a verify chunk (vLLM's accepted tokens per position)
         self.spec_accepted_at = [0] * (self.spec.speculative_num_draft_tokens if self.spec else 0)
+        self.draft_bar = 0.0  # the chance of being kept a draft needs this step (speculation.draft_bar)
         self.holding = 0  # waiting requests held at the last admission for a prefix a running one computes
         self._queued = itertools.count(1)  # the order requests were queued in (in-batch sharing is FIFO)
         self.storage = None

@@ -32,11 +32,12 @@ How many drafts. A verify row costs a share of a step (its compute: the step rea
 weight once whatever its rows), and the d-th draft pays only when every draft before it
 is kept too. Each request keeps how its drafts went (kept drafts, and verifies that ended
 at a rejected one, both decaying), which makes a the chance that a draft is kept given
-the one before it was: it drafts while a^d is at least ROW_COST, so a request that keeps
-what it drafts (a file re-emitted, a document quoted) drafts long and one that does not
-drafts short, at most --speculative-num-draft-tokens and the tokens the reply has left. A
-request whose drafts keep being rejected stops drafting for a while (a pause that doubles
-each time), so plain chat is not slowed by speculation."""
+the one before it was: it drafts while a^d is at least ROW_COST (more in a batch, where
+each row buys less of the step: `draft_bar`), so a request that keeps what it drafts (a
+file re-emitted, a document quoted) drafts long and one that does not drafts short, at
+most --speculative-num-draft-tokens and the tokens the reply has left. A request whose
+drafts keep being rejected stops drafting for a while (a pause that doubles each time),
+so plain chat is not slowed by speculation."""
 from __future__ import annotations
 
 import time
@@ -61,6 +62,15 @@ MAX_PAUSE = 64
 ROW_COST = 0.1
 #: how much of a request's draft record each verify keeps (the rest is forgotten)
 MEMORY = 0.8
+
+
+def draft_bar(rows: int) -> float:
+    """The chance of being kept a draft needs, in a step of `rows` one-token rows: its
+    row costs ROW_COST of a one-row step, and the step without it yields `rows` tokens in
+    1 + ROW_COST * (rows - 1) of one, so a draft pays where it adds at least its share of
+    that (ROW_COST alone, at one row; more as the batch grows)."""
+    rows = max(1, rows)
+    return ROW_COST * rows / (1 + ROW_COST * (rows - 1))
 
 
 class PromptLookup:
@@ -128,13 +138,13 @@ class Drafting:
         self.pause = 0   # the next pause's length, in steps
         self.wait = 0    # steps left before drafting again
 
-    def length(self, k: int) -> int:
-        """The drafts worth verifying, at most k: the most d with a^d >= ROW_COST, where a
-        is the chance that a draft is kept after a kept one (kept / (kept + lost), the
+    def length(self, k: int, bar: float = ROW_COST) -> int:
+        """The drafts worth verifying, at most k: the most d with a^d >= bar, where a is
+        the chance that a draft is kept after a kept one (kept / (kept + lost), the
         geometric run's estimate); at least one."""
         a = self.kept / (self.kept + self.lost)
         d = 1
-        while d < k and a ** (d + 1) >= ROW_COST:
+        while d < k and a ** (d + 1) >= bar:
             d += 1
         return d
 
@@ -160,6 +170,7 @@ class Speculation:
         other request has its pages for the step, and from free handles only, so that
         speculation takes nothing the step would otherwise have had."""
         out = []
+        self.draft_bar = draft_bar(sum(len(inp.tokens) == 1 for _, inp in batch))
         for st, inp in batch:
             drafts = []
             if len(inp.tokens) == 1 and inp.start >= st.prompt_len:
@@ -195,7 +206,7 @@ class Speculation:
         room = req.sampling.max_new_tokens - len(req.output_ids) - 1
         if room <= 0:
             return []
-        k = st.spec.length(min(self.spec.speculative_num_draft_tokens, room))
+        k = st.spec.length(min(self.spec.speculative_num_draft_tokens, room), self.draft_bar)
         algo = self.spec.speculative_algorithm
         own = st.spec.lookup.propose(st.tokens, k) if algo != "SUFFIX" else []
         if algo == "NGRAM" or (own and st.spec.lookup.matched >= GRAM):
