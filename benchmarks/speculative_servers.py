@@ -6,6 +6,13 @@ server at a time, the same client and workloads as benchmarks/speculative.py.
     python benchmarks/speculative_servers.py                    # every server, off and on
     python benchmarks/speculative_servers.py --servers uniradix-gguf,llamacpp --turns 3
     python benchmarks/speculative_servers.py --dry              # uniradix alone, embedded model
+    python benchmarks/speculative_servers.py --servers uniradix-bf16,vllm-bf16 \
+        --f32-dir /tmp/vllm-models/qwen3next --workloads chat,agentic   # a recurrent hybrid
+
+`--f32-dir` may name any Hugging Face folder both uniradix and vLLM serve: the tiny
+random Qwen3-Next (gated delta) and Granite-4.0-H (Mamba2) checkpoints that
+benchmarks/peers/setup_vllm_cpu.sh writes show what each engine's speculation does to a
+recurrent model's reuse (their speed says little: a tiny model's step is its overhead).
 
 Servers (`--servers`, serve_vs_peers' names and flags: one pinned core, one compute
 thread each): `uniradix-f32` / `vllm-f32` (the float32 folder), `uniradix-gguf` /
