@@ -142,8 +142,34 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+#: flags of other servers that split one model over several devices or copies, which
+#: one uniradix process does not do (it serves one device; several are a fleet)
+PARALLEL_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size", "--dp", "--dp-size", "--data-parallel-size",
+                  "--pp", "--pp-size", "--pipeline-parallel-size", "--ep", "--ep-size", "--expert-parallel-size")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("uniradix")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _unknown(parser: argparse.ArgumentParser, extra: list[str]) -> None:
+    """Exit with the subcommand's own usage for flags it does not take, and what to do
+    instead for the parallelism flags SGLang and vLLM users bring."""
+    par = [x for x in extra if x.split("=", 1)[0] in PARALLEL_FLAGS]
+    if par:
+        parser.error(f"{par[0].split('=', 1)[0]}: one uniradix process serves one device and one copy of the "
+                     "model; for several, run one `uniradix serve` per device behind SGLang's gateway (smg), "
+                     "sharing an L3 store (the README: *Several servers*)")
+    parser.error(f"unrecognized arguments: {' '.join(extra)}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="uniradix", description=__doc__)
+    p.add_argument("--version", action="version", version=f"uniradix {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", formatter_class=_HelpFormatter, help="serve a multi-turn workload on the embedded model; print hit rate, "
                                    "TTFT and input throughput per round")
@@ -178,7 +204,9 @@ def main(argv=None) -> int:
                              "hit rate, TTFT and input throughput per round")
     http_multiturn.add_args(m)
     m.set_defaults(func=http_multiturn.main)
-    a = p.parse_args(argv)
+    a, extra = p.parse_known_args(argv)
+    if extra:
+        _unknown({"run": r, "serve": s, "hit-rate": h, "simulate": sm, "bench": m}[a.cmd], extra)
     from .stderr_relay import masked_stderr
     with masked_stderr():  # what native libraries print is masked too (uniradix.redact)
         code = a.func(a)

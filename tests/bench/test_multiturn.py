@@ -231,3 +231,29 @@ def test_tier_settings_and_backend_settings_split_on_one_list():
     assert set(TIER_KEYS) == {"prefetch_threshold", "prefetch_timeout_base", "prefetch_timeout_per_ki_token",
                               "prefetch_timeout_max", "io_timeout", "model_fingerprint", "auth_secret", "announce_interval",
                               "allow_unavailable_at_start"}
+
+
+def test_habits_from_sglang_and_vllm(capsys):
+    """--version answers; a flag the subcommand lacks gets the subcommand's own usage; a
+    parallelism flag says what to do instead; bench multiturn takes SGLang's names."""
+    from importlib.metadata import version
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"uniradix {version('uniradix')}"
+    for cmd in (["serve"], ["run"], ["simulate", "log.jsonl"], ["bench", "multiturn", "--url", "http://127.0.0.1:1"]):
+        with pytest.raises(SystemExit) as e:
+            main([*cmd, "--no-such-flag"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"uniradix {cmd[0] if cmd[0] != 'bench' else 'bench multiturn'}: error" in err
+        assert "unrecognized arguments: --no-such-flag" in err
+    for flag in (["--tp", "2"], ["--tensor-parallel-size=2"], ["--dp-size", "2"]):
+        with pytest.raises(SystemExit):
+            main(["serve", *flag])
+        err = capsys.readouterr().err
+        assert "uniradix serve: error" in err and "one device" in err and "smg" in err
+    from uniradix.bench import http_multiturn
+    import argparse
+    p = argparse.ArgumentParser()
+    http_multiturn.add_args(p)
+    a = p.parse_args(["--url", "http://127.0.0.1:1", "--num-clients", "3", "--num-rounds", "4"])
+    assert (a.clients, a.rounds) == (3, 4)

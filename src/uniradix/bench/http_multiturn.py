@@ -300,8 +300,10 @@ def add_args(p) -> None:
                    help="SGLang's /generate, or OpenAI's /v1/completions")
     p.add_argument("--model", default="default", help="the model name OpenAI requests carry")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--clients", type=int, default=8, help="conversations, one per client")
-    p.add_argument("--rounds", type=int, default=5, help="turns per conversation")
+    p.add_argument("--clients", "--num-clients", type=int, default=8,
+                   help="conversations, one per client (SGLang's bench_multiturn.py: --num-clients)")
+    p.add_argument("--rounds", "--num-rounds", type=int, default=5,
+                   help="turns per conversation (SGLang's bench_multiturn.py: --num-rounds)")
     p.add_argument("--preamble-words", type=int, default=60, help="the preamble every conversation opens with")
     p.add_argument("--document-words", type=int, default=200, help="each conversation's own opening document")
     p.add_argument("--new-words", type=int, default=40, help="words each turn adds")
@@ -317,7 +319,8 @@ def add_args(p) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     p.add_argument("--log", default=None, help="append one JSON line per request here (for uniradix hit-rate)")
-    p.add_argument("--plot", default=None, help="write a PNG of hit rate and TTFT per round here")
+    p.add_argument("--plot", default=None, help="write a PNG of hit rate and TTFT per round here (needs "
+                                                "matplotlib: pip install 'uniradix[plots]')")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -93,3 +93,13 @@ def test_uniradix_run_says_it_in_one_line(sharded, tmp_path, capsys):
 def test_the_sharded_checkpoint_itself_loads(sharded):
     from uniradix.model.hf import load_checkpoint
     assert len(load_checkpoint(sharded).files) == 3
+
+
+@pytest.mark.parametrize("head, hint", [(b"hello, not a model", ""), (b"version https://git-lfs", "Git LFS")])
+def test_a_file_that_is_not_gguf_says_so(tmp_path, head, hint):
+    from uniradix.model.hf.gguf import read_gguf
+    path = tmp_path / "model.gguf"
+    path.write_bytes(head)
+    with pytest.raises(ValueError, match="is not a GGUF file") as e:
+        read_gguf(str(path))
+    assert str(path) in str(e.value) and hint in str(e.value)
