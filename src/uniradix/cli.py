@@ -32,7 +32,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     try:
         wl = workload_from_args(a)
         threads = threads_from_args(a)
-        engine = engine_from_args(a)
+        engine = engine_from_args(a, lambda line: print(f"uniradix run: {line}", file=sys.stderr, flush=True))
     except (ValueError, OSError, ImportError, RuntimeError) as e:  # RuntimeError: StorageUnavailable
         print(f"uniradix run: {redact(e)}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -39,9 +40,49 @@ def pools_line(engine) -> str:
                                    chunk=engine.chunk, context_length=engine.context_length))
 
 
-def engine_from_args(a: argparse.Namespace):
+def loaded_line(model, path: str, seconds: float) -> str:
+    """What was loaded from a checkpoint, how long it took and what its weights hold in
+    memory (every tensor a weight holds, packed forms included; one shared by two names,
+    a tied head, counted once)."""
+    seen, nbytes = set(), 0
+    for t in _tensors(list(model.weights.values())):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            nbytes += t.numel() * t.element_size()
+    return f"loaded {model.name} from {path} in {seconds:.1f} s: {size_text(nbytes)} of weights in memory"
+
+
+def size_text(nbytes: int) -> str:
+    """Bytes as a person reads them: GiB, MiB or KiB, three figures or so."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+def _tensors(x, depth: int = 3):
+    """The tensors in x: itself, or inside its lists, tuples, dicts and attributes."""
+    import torch
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif depth and isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y, depth - 1)
+    elif depth and isinstance(x, dict):
+        for y in x.values():
+            yield from _tensors(y, depth - 1)
+    elif depth and (hasattr(x, "__dict__") or hasattr(x, "__slots__")):
+        names = list(getattr(x, "__dict__", {})) + [n for c in type(x).__mro__ for n in getattr(c, "__slots__", ())]
+        for n in names:
+            yield from _tensors(getattr(x, n, None), depth - 1)
+
+
+def engine_from_args(a: argparse.Namespace, say=None):
     """An Engine from the flags (it opens the L3 backend they name: a store that cannot
-    be reached is StorageUnavailable, unless allow_unavailable_at_start)."""
+    be reached is StorageUnavailable, unless allow_unavailable_at_start). `say` hears
+    what is being loaded and, once it is, how long it took and its size (a checkpoint
+    takes up to minutes: nobody should wonder whether the process hangs)."""
     from ..config import engine_config_from_args
     from ..model import preset
     from .engine import Engine
@@ -51,7 +92,15 @@ def engine_from_args(a: argparse.Namespace):
         import torch
 
         from ..model.hf import load_checkpoint
+        if say:
+            size = os.path.getsize(path) if os.path.isfile(path) else sum(
+                e.stat().st_size for e in os.scandir(path) if e.is_file())
+            say(f"loading {path} ({size_text(size)} on disk) in {a.dtype}"
+                + ("" if a.quantization == "none" else f", linear weights {a.quantization}"))
+        t0 = time.perf_counter()
         model, weights = load_checkpoint(path, getattr(torch, a.dtype), a.quantization), None
+        if say:
+            say(loaded_line(model, path, time.perf_counter() - t0))
     else:  # the embedded model, seeded or with a safetensors file of weights
         if a.quantization != "none":
             raise ValueError(f"--quantization {a.quantization} applies to a checkpoint (--model-path DIR or "

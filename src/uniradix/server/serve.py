@@ -41,7 +41,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         budget = connection_budget(config.max_connections)
         threads = threads_from_args(a)  # before the model loads: it computes too
         logging.getLogger("uniradix.server").info("%s", threads)
-        engine = engine_from_args(a)
+        engine = engine_from_args(a, logging.getLogger("uniradix.server").info)
         logging.getLogger("uniradix.server").info("%s", pools_line(engine))
     except (ValueError, OSError, ImportError, RuntimeError) as e:
         print(f"uniradix serve: {redact(e)}", file=sys.stderr)

@@ -87,7 +87,20 @@ def test_uniradix_run_says_it_in_one_line(sharded, tmp_path, capsys):
     write(SHARD, "not safetensors")(path)
     assert main(["run", "--model-path", path, "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "Traceback" not in err and f"{path}/{SHARD} is not a readable safetensors file" in err, err
+    assert "Traceback" not in err and f"{path}/{SHARD} is not a readable safetensors file" in err.splitlines()[-1], err
+
+
+def test_uniradix_run_says_what_it_loads_and_what_it_took(sharded, capsys):
+    import re
+    from uniradix.cli import main
+    assert main(["run", "--model-path", sharded, "--clients", "1", "--rounds", "1", "--tokens-per-round", "8",
+                 "--output-tokens", "1", "--shared-prefix-tokens", "0", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert f"uniradix run: loading {sharded} (" in err and "iB on disk) in float32" in err, err
+    m = re.search(r"loaded \S+ from .* in [0-9.]+ s: ([0-9.]+) (KiB|MiB|GiB) of weights in memory", err)
+    on_disk = sum(os.path.getsize(os.path.join(sharded, f)) for f in os.listdir(sharded) if f.endswith(".safetensors"))
+    scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    assert m and 0.5 * on_disk <= float(m.group(1)) * scale[m.group(2)] <= 2 * on_disk, err
 
 
 def test_the_sharded_checkpoint_itself_loads(sharded):

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...progress import progress
+
 #: where a multimodal wrapper keeps its text model's weights -> the text-only name
 TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
                  "language_model.lm_head.": "lm_head.", "lm_head.": "lm_head."}
@@ -144,7 +146,7 @@ def _load_safetensors(path: str, dtype, rename=None) -> tuple[dict, tuple]:
     tensors: dict = {}
     for f in full:
         with _open(f) as sf:
-            for name, new in names[f].items():
+            for name, new in progress(names[f].items(), f"reading {os.path.basename(f)}", len(names[f])):
                 if new is None:
                     continue
                 if new in tensors:

@@ -22,6 +22,7 @@ from .checkpoint import Checkpoint
 from .config_forms import FULL, HYBRID, LINEAR, SLIDING, ConfigError, Layer, layer_count, listed_kinds, single_rope, \
     with_defaults
 from .. import kernels
+from ...progress import progress
 from .gemm import is_packed, pack, unpack
 from .ops import Batch, linears, rope_inv_freq
 from .quant import check_scheme, quantize, stored_scheme
@@ -397,7 +398,7 @@ class HFModel(PagedModel):
             return self
         routers = [n for n, t in self.weights.items() if isinstance(t, torch.Tensor) and t.dim() == 2
                    and t.is_floating_point() and n.endswith(self.dense_weights)] if kernels.available() else []
-        for name in self.linear_weights() + routers:
+        for name in progress(self.linear_weights() + routers, "packing weights"):
             self.weights[name] = pack(self.weights[name])
         if "lm_head.weight" not in self.weights and self._packed_head is None:
             head = pack(self.w(self.embed_weight))
@@ -455,7 +456,7 @@ class HFModel(PagedModel):
             self._packed_head = None
             if self.embed_weight in bits:
                 bits = {**bits, "lm_head.weight": bits[self.embed_weight]}
-        for name in self.linear_weights():
+        for name in progress(self.linear_weights(), f"quantizing ({scheme})"):
             s = stored_scheme(bits.get(name)) if scheme == "stored" else scheme
             self.weights[name] = quantize(unpack(self.weights[name]), s)
         self.quantization = scheme
@@ -481,7 +482,7 @@ class HFModel(PagedModel):
         names = set(self.linear_weights())
         if self.embed_weight in blocks:
             names.add(self.embed_weight)
-        for name in sorted(names & set(blocks)):
+        for name in progress(sorted(names & set(blocks)), "packing as stored"):
             packed = as_stored(name)
             if packed is not None:
                 self.weights[name] = packed

@@ -12,11 +12,13 @@ RoPE base of 10000, and queries scaled by 1/sqrt(head_dim) (1/sqrt(hidden/heads)
 family's norms take w, so 1 is subtracted here."""
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
 import torch
 
+from ...progress import progress
 from .checkpoint import Checkpoint
 from .config_forms import FULL, SLIDING
 
@@ -46,7 +48,7 @@ def read_gguf(path: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
     names = [t.name for t in reader.tensors]
     config = _gemma3_config(meta, names)
     tensors, bits, blocks = {}, {}, {}
-    for t in reader.tensors:
+    for t in progress(reader.tensors, f"reading {os.path.basename(path)}"):
         shift = 1.0 if t.name.endswith("norm.weight") else 0.0  # the converter stored 1 + w
         name = _gemma3_name(path, t.name)
         tensors[name] = _tensor(t, dtype, shift)
