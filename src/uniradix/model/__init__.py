@@ -1,8 +1,9 @@
 """Models behind the cache: the interface an engine needs (`PagedModel`), the embedded
 reference hybrid model (F / S / M / H / - layers) and its no-cache oracle, and real
 checkpoints (`model.hf`)."""
-from .base import PagedModel, ReferenceModel, load_model
+from .base import PagedModel, ReferenceModel
 from .config import LAYER_KINDS, PRESETS, HybridConfig, preset
+from .loading import load_model
 from .fingerprint import file_fingerprint, model_witness, weights_fingerprint, weights_witness
 from .paged import PagedInput, paged_forward
 from .reference import reference_forward

@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect
 from ..redact import redact
 from . import routes_admin, routes_native, routes_observe, routes_openai, routes_tools
 from .connections import CLOSED_BY_SERVER
+from .errors import error
 from .jobs import Jobs
 from .metrics import ServerMetrics
 from .offload import off_loop
@@ -35,13 +36,6 @@ log = logging.getLogger("uniradix.server")
 #: routes open without the API key: liveness, and the dashboard's page, which carries no
 #: data (its script asks for the key to read /dashboard/data)
 OPEN_ROUTES = ("/health", "/dashboard")
-
-
-def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-            408: "RequestTimeout", 413: "RequestTooLarge", 503: "ServiceUnavailable"}.get(status, "InternalServerError")
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status,
-                        headers=headers)
 
 
 def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics, model_name: str,

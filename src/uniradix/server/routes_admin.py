@@ -14,6 +14,7 @@ from ..cache.audit import AuditError
 from ..config import finite_number
 from ..engine import Request, SamplingParams
 from ..redact import redact_value
+from .errors import error
 from .protocol import BadRequest, Job, session_route, want
 from .query import query_bool
 
@@ -21,7 +22,6 @@ log = logging.getLogger("uniradix.server")
 
 
 def add_routes(app, jobs, read_body, engine_settings: dict, version: str) -> None:
-    from .app import error
     runner, engine = jobs.runner, jobs.engine
     config, model_name = app.state.config, app.state.model_name
 

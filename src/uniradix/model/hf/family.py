@@ -292,17 +292,22 @@ class HFModel(PagedModel):
 
     @torch.no_grad()
     def reference(self, tokens) -> torch.Tensor:
-        """The same forward over scratch pools holding just these tokens."""
-        from ...engine.build import build_cache
+        """The same forward over scratch pools holding just these tokens (each spec's own
+        pool, built from below: the model knows nothing of the engine)."""
         from ..paged import PagedInput
         tokens = list(tokens)
-        cache, pools = build_cache(self, page_size=1, max_total_tokens=len(tokens) + 1,
-                                   max_mamba_cache_size=1, device=next(iter(self.weights.values())).device)
-        pages = {name: pools[name].alloc(len(tokens)) for name in pools if hasattr(pools[name], "page_size")}
-        slot = None
-        if cache.ckpt is not None:
-            slot = cache.pools[cache.ckpt.index].alloc(1)[0]
-            cache.pools[cache.ckpt.index].zero_slots([slot])
+        device = next(iter(self.weights.values())).device
+        pools, pages, slot = {}, {}, None
+        for spec, layers in self.states().groups:
+            recurrent = spec.checkpoint  # a state a slot, not pages
+            pool = spec.pool_plan(list(layers), page_size=1, size=2 if recurrent else len(tokens) + 1,
+                                  device=device, what="the reference forward's scratch", flags=()).build()
+            pools[spec.name] = pool
+            if recurrent:
+                slot = pool.alloc(1)[0]
+                pool.zero_slots([slot])
+            else:
+                pages[spec.name] = pool.alloc(len(tokens))
         return self.forward(pools, [PagedInput(tokens, 0, pages, slot)])[0]
 
     # ------------------------------------------------------------------ weights
