@@ -17,8 +17,8 @@ from html.parser import HTMLParser
 import pytest
 from server_proc import HANG_S, ServerProc
 
-from uniradix.server.dashboard import HISTORY_SERIES, History
-from uniradix.server.metrics import ServerMetrics
+from uniradix.server.dashboard import HISTORY_SERIES, History, quantiles
+from uniradix.server.metrics import TTFT_BUCKETS, ServerMetrics, series_key
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 needs_browser = pytest.mark.skipif(
@@ -147,6 +147,14 @@ def test_the_page_shows_what_metrics_says_before_and_after_traffic(server):
     assert need <= set(after), sorted(need - set(after))
     assert after["uniradix_storage_written_bytes_total"] > 0  # write-through reached the store
     assert after["uniradix_spec_decode_num_drafts_total"] > 0  # the prompts' runs of numbers draft their replies
+    # what an operator looks at first: TTFT percentiles, the last minute's decode and
+    # request rates, and a time axis in clock time
+    dom = browse(url)
+    text = re.sub(r"<[^>]+>", " ", dom)
+    p50 = re.search(r"TTFT p50 / p90 / p99\s+(\d+) / (\d+) / (\d+) ms", text)
+    assert p50 and int(p50.group(1)) <= int(p50.group(2)) <= int(p50.group(3)), text[:3000]
+    assert re.search(r"decode, last minute\s+[0-9.]+ tok/s\s+requests [0-9.]+/s finished", text), text[:3000]
+    assert ">now<" not in dom and re.search(r"\d{1,2}:\d{2}:\d{2}", text)
 
 
 @needs_browser
@@ -198,13 +206,32 @@ def test_values_are_the_exposition_series():
             text[k] = float(val)
     own = ("uniradix_connections", "uniradix_client_disconnects", "uniradix_request_log", "uniradix_requests_refused",
            "uniradix_waitlisted")
-    text = {k: x for k, x in text.items() if not k.startswith(own) and "_bucket" not in k and "_created" not in k}
+    text = {k: x for k, x in text.items() if not k.startswith(own) and "_created" not in k
+            and ("_bucket" not in k or k.startswith(TTFT_BUCKETS))}
     assert m.values(snap) == text
     assert text['uniradix_cached_tokens_total{tier="device"}'] == 20
     assert text['uniradix_host_pool_available_pages{component="swa"}'] == 120
     # without a host tier there is no host pool to show
     engine["cache"].pop("host")
     assert not any(k.startswith(("uniradix_host_pool", "uniradix_host_cached")) for k in m.values(snap))
+
+
+def test_ttft_percentiles_from_the_buckets():
+    """The dashboard's TTFT p50 / p90 / p99: Prometheus' histogram_quantile over the
+    buckets /metrics exposes (values keeps them), within the bucket each falls in."""
+    m = ServerMetrics()
+
+    def values():  # the TTFT series as values() keys them (test_values_are_the_exposition_series)
+        return {series_key(x.name, x.labels): x.value for f in m.ttft.collect() for x in f.samples}
+    assert quantiles(values()) == {"p50": None, "p90": None, "p99": None}
+    for x in [0.003] * 50 + [0.3] * 40 + [3.0] * 10:
+        m.ttft.observe(x)
+    v = values()
+    assert v[TTFT_BUCKETS + '{le="+Inf"}'] == 100 and v[TTFT_BUCKETS + '{le="0.005"}'] == 50
+    q = quantiles(v)
+    assert 0.0025 < q["p50"] <= 0.005 and 0.25 < q["p90"] <= 0.5 and 2.5 < q["p99"] <= 5.0
+    m.ttft.observe(100.0)   # past the last finite bound: that bound
+    assert quantiles(values(), qs=(1.0,)) == {"p100": 60.0}
 
 
 def test_history_samples_at_its_interval():

@@ -16,6 +16,8 @@ import time
 from collections import deque
 from importlib import resources
 
+from .metrics import TTFT_BUCKETS
+
 log = logging.getLogger("uniradix.server")
 
 #: seconds between two samples of the history, and how many are kept (30 minutes)
@@ -23,13 +25,15 @@ SAMPLE_S = 2.0
 KEEP = 900
 
 #: the series the history keeps per sample: the counters a hit rate per tier over time
-#: is made of, the decode tokens (the load report's throughput), and the queue gauges
+#: is made of, the decode tokens and finished requests (the rates of the last minute),
+#: and the queue gauges
 HISTORY_SERIES = {
     "prompt": "uniradix_prompt_tokens_total",
     "device": 'uniradix_cached_tokens_total{tier="device"}',
     "host": 'uniradix_cached_tokens_total{tier="host"}',
     "storage": 'uniradix_cached_tokens_total{tier="storage"}',
     "decode": "uniradix_decode_tokens_total",
+    "finished": "uniradix_requests_finished_total",
     "running": "uniradix_running_requests",
     "waiting": "uniradix_waiting_requests",
 }
@@ -67,6 +71,28 @@ class History:
                              **{k: values[s] for k, s in HISTORY_SERIES.items()}})
 
 
+def quantiles(values: dict, bucket: str = TTFT_BUCKETS, qs=(0.5, 0.9, 0.99)) -> dict[str, float | None]:
+    """Percentiles of a histogram from its cumulative buckets in `values` (as Prometheus'
+    histogram_quantile: linear within the bucket the rank falls in; past the last finite
+    bound, that bound); None while it has no observations."""
+    pre = bucket + '{le="'
+    bounds = sorted((float(k[len(pre):-2]), n) for k, n in values.items() if k.startswith(pre))
+    total = bounds[-1][1] if bounds else 0
+    out = {}
+    for q in qs:
+        name = f"p{round(100 * q)}"
+        if not total:
+            out[name] = None
+            continue
+        rank, lo, below = q * total, 0.0, 0.0
+        for le, n in bounds:
+            if n >= rank:
+                out[name] = lo if le == float("inf") else lo + (le - lo) * (rank - below) / max(n - below, 1e-12)
+                break
+            lo, below = le, n
+    return out
+
+
 def dashboard_data(values: dict, history: History, engine, info: dict) -> dict:
     """What the page shows: `metrics` (this moment's series, as /metrics keys them), the
     components (name, unit, whether a slot is a checkpoint), which tiers exist, the
@@ -78,7 +104,8 @@ def dashboard_data(values: dict, history: History, engine, info: dict) -> dict:
             "tiers": {"host": engine.cache.host is not None, "storage": storage is not None,
                       "storage_backend": None if storage is None else type(storage.backend).__name__,
                       "write_policy": engine.config.host.hicache_write_policy},
-            "sample_s": history.interval, "history": list(history.samples), "metrics": values}
+            "sample_s": history.interval, "history": list(history.samples), "metrics": values,
+            "ttft": quantiles(values)}
 
 
 def page() -> str:

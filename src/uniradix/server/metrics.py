@@ -17,6 +17,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 #: why the server closes a connection (connections.py, and the app's body reader)
 CLOSE_REASONS = ("header_timeout", "body_timeout", "evicted", "write_timeout", "shutdown", "bad_request")
 
+#: the histogram whose buckets `values` keeps (the dashboard's TTFT percentiles)
+TTFT_BUCKETS = "uniradix_time_to_first_token_seconds_bucket"
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 #: engine counter -> (metric name, help)
@@ -124,7 +126,8 @@ class ServerMetrics:
 
     def values(self, snapshot: dict) -> dict[str, float]:
         """Every series of the engine's families for `snapshot` and of the latency
-        histograms (their sums and counts), keyed as /metrics writes them
+        histograms (their sums and counts; TTFT's buckets too, the dashboard's
+        percentiles), keyed as /metrics writes them
         (`uniradix_cached_tokens_total{tier="device"}`): what the dashboard shows is
         what /metrics says, from the same derivation. Safe on any thread (render's
         snapshot is not touched)."""
@@ -132,7 +135,8 @@ class ServerMetrics:
         histograms = (f for h in (self.ttft, self.itl, self.e2e) for f in h.collect())
         for fam in (*engine_families(snapshot), *histograms):
             for sample in fam.samples:
-                if sample.name.endswith(("_bucket", "_created")):
+                if sample.name.endswith("_created") or (sample.name.endswith("_bucket") and
+                                                        not sample.name.startswith(TTFT_BUCKETS)):
                     continue
                 out[series_key(sample.name, sample.labels)] = float(sample.value)
         return out
