@@ -52,3 +52,17 @@ def make_engine(request):
     for eng in made:
         ec.check_settled(eng)
         ec.check_flush(eng)
+
+
+#: each test's area, from where it lives: `python -m pytest -q -m tree` (or engine, tiers,
+#: server, models, bench, cache, project) runs one area's tests, for someone who changed it
+AREAS = {"tree": "tree", "engine": "engine", "memory": "tiers", "hicache": "tiers", "test_cache_host.py": "tiers",
+         "server": "server", "model": "models", "bench": "bench", "test_cache.py": "cache",
+         "test_cache_stateful.py": "cache"}
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parent
+    for item in items:
+        first = Path(item.fspath).resolve().relative_to(root).parts[0]
+        item.add_marker(getattr(pytest.mark, AREAS.get(first, "project")))

@@ -114,3 +114,13 @@ def test_the_tree_core_imports_the_standard_library_alone():
     _, outer = imports(mods)
     tree = {m: names for m, names in outer.items() if m == "uniradix.tree" or m.startswith("uniradix.tree.")}
     assert tree and all(names <= set(sys.stdlib_module_names) | {"__future__"} for names in tree.values()), tree
+
+
+def test_every_test_directory_has_its_area():
+    """`-m tree`, `-m engine`...: conftest's AREAS names where each area's tests live; a
+    new directory of tests must say its area (else they all land in `project`)."""
+    from conftest import AREAS
+    tests = Path(__file__).resolve().parent
+    assert all((tests / where).exists() for where in AREAS)
+    dirs = {p.parent.relative_to(tests).parts[0] for p in tests.rglob("test_*.py") if p.parent != tests}
+    assert dirs <= set(AREAS), sorted(dirs - set(AREAS))
