@@ -22,8 +22,16 @@ log = logging.getLogger("uniradix.server")
 
 
 def add_routes(app, jobs, read_body, engine_settings: dict, version: str) -> None:
+    """The operator's routes, by what they are about: health, sessions, the cache, the
+    server and its model."""
+    add_health_routes(app, jobs)
+    add_session_routes(app, jobs.runner, read_body)
+    add_cache_routes(app, jobs.runner, jobs.engine)
+    add_info_routes(app, jobs, engine_settings, version)
+
+
+def add_health_routes(app, jobs) -> None:
     runner, engine = jobs.runner, jobs.engine
-    config, model_name = app.state.config, app.state.model_name
 
     @app.get("/health")
     async def health():
@@ -44,6 +52,8 @@ def add_routes(app, jobs, read_body, engine_settings: dict, version: str) -> Non
             return error(503, f"generation failed: {req.error}")
         return Response(status_code=200)
 
+
+def add_session_routes(app, runner, read_body) -> None:
     @app.post("/open_session")
     async def open_session(request: HTTPRequest):
         """Open a session of the tenant the body's `cache_salt` / `extra_key` name (as on
@@ -62,6 +72,8 @@ def add_routes(app, jobs, read_body, engine_settings: dict, version: str) -> Non
         sid, salt = session_route(await read_body(request), need_id=True)
         return {"success": True, "closed": await runner.run(lambda: runner.close_session(sid, salt))}
 
+
+def add_cache_routes(app, runner, engine) -> None:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     @app.post("/reset_prefix_cache")  # vLLM's name for it
     async def flush_cache(force: str | None = None):
@@ -94,6 +106,23 @@ def add_routes(app, jobs, read_body, engine_settings: dict, version: str) -> Non
                          {"Retry-After": "1"})
         return error(400, "cannot flush the cache while requests are running; retry when idle")
 
+    @app.get("/audit")
+    async def audit():
+        """Every cache handle owned exactly once (uniradix.cache.audit); `settled`: and no
+        lock left, checked only when nothing is running."""
+        def check():
+            idle = not (engine.running or engine.waiting or engine.prefetching)
+            engine.audit(settled=idle)
+            return {"ok": True, "settled": idle}
+        try:
+            return await runner.run(check)
+        except AuditError as e:
+            return error(500, f"audit failed: {e}")
+
+
+def add_info_routes(app, jobs, engine_settings: dict, version: str) -> None:
+    engine, config, model_name = jobs.engine, app.state.config, app.state.model_name
+
     @app.get("/get_server_info")
     @app.get("/server_info")   # SGLang's newer name, the one its gateway asks first
     async def server_info():
@@ -114,16 +143,3 @@ def add_routes(app, jobs, read_body, engine_settings: dict, version: str) -> Non
                 "vocab_size": m.vocab_size, "context_length": engine.context_length,
                 "eos_token_ids": list(jobs.eos()), "layers": layers,
                 "has_chat_template": bool(getattr(m.tokenizer, "chat_template", None))}
-
-    @app.get("/audit")
-    async def audit():
-        """Every cache handle owned exactly once (uniradix.cache.audit); `settled`: and no
-        lock left, checked only when nothing is running."""
-        def check():
-            idle = not (engine.running or engine.waiting or engine.prefetching)
-            engine.audit(settled=idle)
-            return {"ok": True, "settled": idle}
-        try:
-            return await runner.run(check)
-        except AuditError as e:
-            return error(500, f"audit failed: {e}")
