@@ -16,6 +16,8 @@ it does not know, a sliding layer with no window, keys that contradict each othe
 refused with the key named: a silent fallback would run and compute another model."""
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 #: one name per layer kind, whatever a family's config calls it
@@ -198,3 +200,9 @@ def _positive(x) -> bool:
 __all__ = ["FULL", "SLIDING", "LINEAR", "MLP", "MOE", "HYBRID", "KIND_NAMES", "ROPE_TYPES", "ConfigError", "Layer",
            "with_defaults", "listed_kinds", "kind_name", "every_nth", "pattern_kinds", "layer_count", "single_rope",
            "rope_dict", "rope_setup"]
+
+
+def config_source(path: str) -> str:
+    """Where a checkpoint's config came from, for errors: its config.json, or a GGUF
+    file's metadata (read into the same keys)."""
+    return f"{path}: GGUF metadata" if path.endswith(".gguf") and not os.path.isdir(path) else f"{path}: config.json"
