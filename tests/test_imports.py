@@ -119,8 +119,12 @@ def test_the_tree_core_imports_the_standard_library_alone():
 def test_every_test_directory_has_its_area():
     """`-m tree`, `-m engine`...: conftest's AREAS names where each area's tests live; a
     new directory of tests must say its area (else they all land in `project`)."""
-    from conftest import AREAS
+    import importlib.util
     tests = Path(__file__).resolve().parent
+    spec = importlib.util.spec_from_file_location("tests_root_conftest", tests / "conftest.py")
+    root = importlib.util.module_from_spec(spec)  # by its path: "conftest" alone may name another directory's
+    spec.loader.exec_module(root)
+    AREAS = root.AREAS
     assert all((tests / where).exists() for where in AREAS)
     dirs = {p.parent.relative_to(tests).parts[0] for p in tests.rglob("test_*.py") if p.parent != tests}
     assert dirs <= set(AREAS), sorted(dirs - set(AREAS))
