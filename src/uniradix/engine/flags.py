@@ -42,15 +42,11 @@ def pools_line(engine) -> str:
 
 def loaded_line(model, path: str, seconds: float) -> str:
     """What was loaded from a checkpoint, how long it took and what its weights hold in
-    memory (every tensor a weight holds, packed forms included; one shared by two names,
-    a tied head, counted once)."""
-    seen, nbytes = set(), 0
-    for t in _tensors(list(model.weights.values())):
-        key = (t.untyped_storage().data_ptr(), t.storage_offset())
-        if key not in seen:
-            seen.add(key)
-            nbytes += t.numel() * t.element_size()
-    return f"loaded {model.name} from {path} in {seconds:.1f} s: {size_text(nbytes)} of weights in memory"
+    memory (model.hf.weights_nbytes: packed and quantized forms as held, a tied head
+    once)."""
+    from ..model.hf.weights_forms import weights_nbytes
+    return (f"loaded {model.name} from {path} in {seconds:.1f} s: {size_text(weights_nbytes(model.weights))} "
+            "of weights in memory")
 
 
 def size_text(nbytes: int) -> str:
@@ -59,23 +55,6 @@ def size_text(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.2f} {unit}"
     return f"{nbytes / 2**10:.1f} KiB"
-
-
-def _tensors(x, depth: int = 3):
-    """The tensors in x: itself, or inside its lists, tuples, dicts and attributes."""
-    import torch
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif depth and isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y, depth - 1)
-    elif depth and isinstance(x, dict):
-        for y in x.values():
-            yield from _tensors(y, depth - 1)
-    elif depth and (hasattr(x, "__dict__") or hasattr(x, "__slots__")):
-        names = list(getattr(x, "__dict__", {})) + [n for c in type(x).__mro__ for n in getattr(c, "__slots__", ())]
-        for n in names:
-            yield from _tensors(getattr(x, n, None), depth - 1)
 
 
 def engine_from_args(a: argparse.Namespace, say=None):

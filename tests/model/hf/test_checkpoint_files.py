@@ -116,3 +116,20 @@ def test_a_file_that_is_not_gguf_says_so(tmp_path, head, hint):
     with pytest.raises(ValueError, match="is not a GGUF file") as e:
         read_gguf(str(path))
     assert str(path) in str(e.value) and hint in str(e.value)
+
+
+def test_weights_nbytes_counts_every_form_once():
+    """The loaded line's size: a tensor in oneDNN's opaque layout (no storage to read), a
+    packed and a quantized form as held, a weight under two names once."""
+    import torch
+    from uniradix.model.hf.gemm import pack
+    from uniradix.model.hf.quant import quantize
+    from uniradix.model.hf.weights_forms import weight_nbytes, weights_nbytes
+    w = torch.randn(64, 128)
+    opaque = torch.ops.mkldnn._reorder_linear_weight(w.to(torch.bfloat16).contiguous(), None)
+    assert opaque.layout == torch._mkldnn and weight_nbytes(opaque) == 64 * 128 * 2
+    q = quantize(w, "int8")
+    assert weight_nbytes(q) == sum(t.numel() * t.element_size() for t in q.tensors().values())
+    packed = pack(w)
+    assert weight_nbytes(packed) == (packed.nbytes() if hasattr(packed, "nbytes") else 64 * 128 * 4)
+    assert weights_nbytes({"a": w, "tied": w, "q": q}) == 64 * 128 * 4 + weight_nbytes(q)

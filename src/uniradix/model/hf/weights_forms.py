@@ -15,6 +15,24 @@ from .ops import linears
 from .quant import check_scheme, quantize, stored_scheme
 
 
+def weight_nbytes(w) -> int:
+    """What one weight holds in memory, in whatever form it is: a tensor (oneDNN's
+    opaque layout too), a packed form (its `nbytes`), a quantized one (the tensors that
+    define it)."""
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    if callable(getattr(w, "nbytes", None)):
+        return w.nbytes()
+    t = w.tensors()
+    return weight_nbytes(t) if isinstance(t, torch.Tensor) else sum(weight_nbytes(x) for x in t.values())
+
+
+def weights_nbytes(weights: dict) -> int:
+    """What a model's weights hold in memory, a weight under two names (a tied head)
+    counted once."""
+    return sum(weight_nbytes(w) for w in {id(w): w for w in weights.values()}.values())
+
+
 class HFWeights:
     """HFModel's weights (a mixin: `self.weights`, `self.config`, the attention shape and
     the checkpoint are HFModel's)."""

@@ -383,6 +383,9 @@ class PackedExperts:
     def tensors(self) -> torch.Tensor:
         return self.dense()
 
+    def nbytes(self) -> int:
+        return sum(w.nbytes() for w in self.experts)
+
     def to(self, device):
         return self if torch.device(device).type == "cpu" else self.dense().to(device)
 
