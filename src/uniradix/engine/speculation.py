@@ -23,9 +23,10 @@ Drafts. NGRAM (`PromptLookup`): the continuation of the request's last tokens wh
 they occurred before in its own prompt and output (vLLM's and llama.cpp's prompt lookup,
 SGLang's NGRAM flags): the earlier occurrence that matches the most of its last tokens
 (up to --speculative-ngram-max-match-window-size), the newest among equals; where that
-continuation reaches the end (the reply repeats itself), it goes on repeating. SUFFIX: the continuation of its last GRAM tokens anywhere in what the
-cache holds for its tenant, the most used one (tree/drafts.py: an index over the tree's
-own spans, kept in step by the tree): the cache that saves prefill also drafts decode.
+continuation reaches the end (the reply repeats itself), it goes on repeating. SUFFIX:
+the continuation of its last GRAM tokens anywhere in what the cache holds for its
+tenant, the most used one (tree/drafts.py: an index over the tree's own spans, kept in
+step by the tree): the cache that saves prefill also drafts decode.
 NGRAM+SUFFIX: the first where its match holds GRAM tokens, else the second.
 
 How many drafts. A verify row costs a share of a step (its compute: the step reads every
