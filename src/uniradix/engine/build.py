@@ -199,7 +199,7 @@ def describe_split(split: KVSplit) -> str:
         if not b:
             parts.append(f"{name.upper()} {n * P:,} tokens (counted only: no layer keeps it)")
             continue
-        part = f"{name.upper()} {n * P:,} tokens x {split.layers[name]} layers = {_gib(n * b)}"
+        part = f"{name.upper()} {n * P:,} tokens x {split.layers[name]} layers = {size_text(n * b)}"
         spec = split.specs[name]
         if getattr(spec, "window", None) is not None:
             part += f" ({_why(split, name)})"
@@ -207,7 +207,7 @@ def describe_split(split: KVSplit) -> str:
     full = kv[0]
     per_token = split.page_bytes[full] / P
     every = sum(split.page_bytes.values()) / P
-    line = (f"KV pools, {_gib(sum(split.sizes[n][0] * split.page_bytes[n] for n in kv))} "
+    line = (f"KV pools, {size_text(sum(split.sizes[n][0] * split.page_bytes[n] for n in kv))} "
             f"(--max-total-tokens {split.max_total_tokens:,} in each of {nlayers} KV layers): " + ", ".join(parts))
     windows = [n for n in kv[1:] if split.page_bytes[n]]
     if per_token and windows:
@@ -237,7 +237,7 @@ def _why(split: KVSplit, name: str) -> str:
     return f"derived, {ratio}: {what}"
 
 
-def _gib(n: float) -> str:
+def size_text(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 / 10 else _bytes(n)
 
 

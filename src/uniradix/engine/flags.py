@@ -45,16 +45,9 @@ def loaded_line(model, path: str, seconds: float) -> str:
     memory (model.hf.weights_nbytes: packed and quantized forms as held, a tied head
     once)."""
     from ..model.hf.weights_forms import weights_nbytes
+    from .build import size_text
     return (f"loaded {model.name} from {path} in {seconds:.1f} s: {size_text(weights_nbytes(model.weights))} "
             "of weights in memory")
-
-
-def size_text(nbytes: int) -> str:
-    """Bytes as a person reads them: GiB, MiB or KiB, three figures or so."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{nbytes / 2**10:.1f} KiB"
 
 
 def engine_from_args(a: argparse.Namespace, say=None):
@@ -74,6 +67,7 @@ def engine_from_args(a: argparse.Namespace, say=None):
         if say:
             size = os.path.getsize(path) if os.path.isfile(path) else sum(
                 e.stat().st_size for e in os.scandir(path) if e.is_file())
+            from .build import size_text
             say(f"loading {path} ({size_text(size)} on disk) in {a.dtype}"
                 + ("" if a.quantization == "none" else f", linear weights {a.quantization}"))
         t0 = time.perf_counter()
