@@ -148,14 +148,6 @@ PARALLEL_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size", "--dp", "--dp-s
                   "--pp", "--pp-size", "--pipeline-parallel-size", "--ep", "--ep-size", "--expert-parallel-size")
 
 
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("uniradix")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
 def _unknown(parser: argparse.ArgumentParser, extra: list[str]) -> None:
     """Exit with the subcommand's own usage for flags it does not take, and what to do
     instead for the parallelism flags SGLang and vLLM users bring."""
@@ -168,8 +160,9 @@ def _unknown(parser: argparse.ArgumentParser, extra: list[str]) -> None:
 
 
 def main(argv=None) -> int:
+    from . import installed_version
     p = argparse.ArgumentParser(prog="uniradix", description=__doc__)
-    p.add_argument("--version", action="version", version=f"uniradix {_version()}")
+    p.add_argument("--version", action="version", version=f"uniradix {installed_version()}")
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", formatter_class=_HelpFormatter, help="serve a multi-turn workload on the embedded model; print hit rate, "
                                    "TTFT and input throughput per round")

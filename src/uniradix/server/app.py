@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from .. import installed_version
 from ..redact import redact
 from . import routes_admin, routes_native, routes_observe, routes_openai, routes_tools
 from .connections import CLOSED_BY_SERVER
@@ -64,11 +65,11 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
 
     app.state.check_model = check_model
 
-    routes_admin.add_routes(app, jobs, read_body, engine_settings, _version())
-    routes_observe.add_routes(app, jobs, metrics, _version())
+    routes_admin.add_routes(app, jobs, read_body, engine_settings, installed_version())
+    routes_observe.add_routes(app, jobs, metrics, installed_version())
     routes_native.add_routes(app, jobs, read_body)
     routes_openai.add_routes(app, jobs, read_body)
-    routes_tools.add_routes(app, jobs, read_body, check_model, _version())
+    routes_tools.add_routes(app, jobs, read_body, check_model, installed_version())
     return app
 
 
@@ -166,11 +167,3 @@ class Guard:
             return error(413, f"the request body is {size} bytes; the limit is {cfg.max_request_bytes} "
                               f"(--max-request-bytes)")
         return None
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    try:
-        return version("uniradix")
-    except PackageNotFoundError:
-        return "unknown"
