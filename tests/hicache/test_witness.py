@@ -410,3 +410,45 @@ def test_one_checkpoint_at_two_dtypes_never_shares_objects(tmp_path):
     assert r2.metrics.storage_tokens == 0 and b.stats()["storage_loads"] == 0
     for e in (a, b):
         e.close()
+
+
+def test_another_arithmetic_never_shares_objects(tmp_path):
+    """One checkpoint at one dtype, computed by the row-invariant kernels and by torch's
+    (a node without a compiler, or UNIRADIX_KERNELS=torch): their KV differ in bits, so
+    the witness (kernels.identity) keeps them apart, and the second answers as its own
+    arithmetic does."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model" / "hf"))
+    from harness import make_tiny
+
+    from uniradix.model import kernels
+    from uniradix.model.hf import load_checkpoint
+    if not kernels.available():
+        pytest.skip("the row-invariant kernels are not built here")
+    path = make_tiny("qwen3", str(tmp_path / "ckpt"))
+    store = tmp_path / "l3"
+
+    def eng():
+        return Engine(load_checkpoint(path), page_size=4, max_total_tokens=2048, storage=FileBackend(str(store)),
+                      prefetch_threshold=1)
+
+    a = eng()
+    rng = random.Random(6)
+    r = greedy([rng.randrange(8, 200) for _ in range(60)], 4)
+    a.run([r])
+    assert a.stats()["storage_saved_objects"] > 0
+    with kernels.off():
+        assert kernels.identity() == "torch"
+        b = eng()
+        r2 = greedy(r.input_ids + r.output_ids + [9, 10, 11], 4)
+        b.run([r2])
+        check_exact(b, r2)
+        assert r2.metrics.storage_tokens == 0 and b.stats()["storage_loads"] == 0
+        assert b.stats()["storage"]["witness"]["state"] == "refused"
+    assert kernels.identity().startswith("row-invariant v")
+    c = eng()   # the first arithmetic again: it still reads what it wrote
+    r3 = greedy(r2.input_ids, 2)
+    c.run([r3])
+    check_exact(c, r3)
+    assert r3.metrics.storage_tokens > 0
+    for e in (a, b, c):
+        e.close()

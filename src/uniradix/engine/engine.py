@@ -130,9 +130,11 @@ class Engine(Admission, Batching, Speculation):
         hicache.witness): its computation and its loaded tensors, every byte of them
         where a fleet's model_fingerprint names the namespace (it says nothing of the
         weights or the config), else a few fixed elements (the name carries the
-        checkpoint's digest and config; the witness adds the dtype and quantization)."""
+        checkpoint's digest and config; the witness adds the dtype and quantization), and
+        the kernels' arithmetic (kernels.identity: KV another computes differs in bits)."""
+        from ..model import kernels
         from ..model.fingerprint import model_witness
-        return model_witness(self.weights, self.model.computation(), whole)
+        return model_witness(self.weights, {**self.model.computation(), "kernels": kernels.identity()}, whole)
 
     @property
     def prefetching(self) -> list[RequestState]:

@@ -2,7 +2,7 @@
 this CPU and for a CPU level below it (kernels.isa), every kernel gives the same bits.
 So a figure, a stored page or a test's expectation made on one CPU holds on another of
 the same arithmetic, and a faster path for one instruction set (AVX-512's quantized
-products, two weight rows a vector) cannot drift from the others. (Here, beside the
+products over AMX's tiles or VNNI's dot products) cannot drift from the others. (Here, beside the
 GGUF block tests, for their random blocks of every format.)"""
 from __future__ import annotations
 
@@ -20,19 +20,26 @@ pytestmark = pytest.mark.skipif(os.environ.get("UNIRADIX_KERNELS", "").lower() =
                                 reason="the row-invariant kernels are not built here")
 
 
+#: what a build for each level below says it runs
+LEVELS = {"icelake-server": "avx512, vnni", "x86-64-v4": "avx512", "x86-64-v3": "avx2", "x86-64": "scalar"}
+
+
 def levels_below() -> list[str]:
-    """The x86 CPU levels below this CPU's that the kernels' paths differ by: x86-64-v3
-    (the AVX2 paths) where this CPU has AVX-512, x86-64 (the scalar ones) on any x86."""
+    """The x86 CPU levels below this CPU's that the kernels' paths differ by:
+    icelake-server (AVX512-VNNI without AMX's tiles) where this CPU has AMX, x86-64-v4
+    (AVX-512 without VNNI) where it has VNNI, x86-64-v3 (the AVX2 paths) where it has
+    AVX-512, x86-64 (the scalar ones) on any x86."""
     if platform.machine() not in ("x86_64", "AMD64") or not kernels.available():
         return []
     here = kernels.lib().ur_isa().decode()
-    return (["x86-64-v3"] if here.startswith("avx512") else []) + (["x86-64"] if here != "scalar" else [])
+    return ((["icelake-server"] if kernels.lib().ur_amx(-1) else []) + (["x86-64-v4"] if "vnni" in here else [])
+            + (["x86-64-v3"] if here.startswith("avx512") else []) + (["x86-64"] if here != "scalar" else []))
 
 
 def every_kernel() -> list[torch.Tensor]:
     """Every kernel on inputs with tails everywhere: products (dense in three dtypes and
     every GGUF block format, 45 outputs: a padded last panel) at 1 to 9 rows (each row
-    tiling of every path), attention over a pool (bfloat16, grouped heads, sinks,
+    tiling of every path) and the quantized ones at 35 (AMX's tiles, two full and a tail), attention over a pool (bfloat16, grouped heads, sinks,
     windows; wide float32 and float16 heads), RMSNorm (with a residual too), RoPE, argmax
     and the elementwise functions."""
     torch.manual_seed(11)
@@ -44,6 +51,8 @@ def every_kernel() -> list[torch.Tensor]:
     xs = [torch.randn(m, K) for m in (1, 2, 3, 4, 5, 6, 8, 9)]
     bias = torch.randn(N)
     out = [fn(x, w, bias) for w, fn in cases for x in xs]
+    many = torch.randn(35, K)   # quantized products of 16 rows and more: AMX's tiles where this CPU has them
+    out += [fn(many, w, bias) for w, fn in cases if fn is kernels.linear_q]
     H, KV, d, slots, rows = 8, 2, 40, 300, 70
     kp, vp = torch.randn(slots, KV, d).to(torch.bfloat16), torch.randn(slots, KV, d).to(torch.bfloat16)
     keys = torch.randperm(slots)[:200]
@@ -80,7 +89,7 @@ def test_every_instruction_set_gives_the_same_bits(march):
         pytest.skip(f"cannot build the kernels for {march}: {err}")
     with other:
         assert kernels.lib() is other.lib   # the other build runs: its own paths, named so
-        assert kernels.lib().ur_isa().decode() == {"x86-64-v3": "avx2", "x86-64": "scalar"}[march]
+        assert kernels.lib().ur_isa().decode() == LEVELS[march]
         there = every_kernel()
     assert kernels.lib() is not other.lib
     assert len(here) == len(there)

@@ -24,8 +24,8 @@ log = logging.getLogger("uniradix.kernels")
 
 #: panel width of a packed weight (kernels.c's NR)
 NR = 16
-#: rows a quantized weight's panel interleaves, block by block (kernels.c's PW)
-PW = 4
+#: weight rows a quantized weight's panel holds, a vector lane each (kernels.c's QP)
+PW = 16
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: elementwise operations (kernels.c's EW_*)
 OPS = {"exp": 0, "sigmoid": 1, "silu": 2, "softplus": 3, "gelu_tanh": 4, "tanh": 5}
@@ -68,6 +68,8 @@ def _bind(path: str):
         fn.argtypes, fn.restype = args, None
     lib.ur_isa.restype = ctypes.c_char_p
     lib.ur_argmax.argtypes, lib.ur_argmax.restype = [_p, _i64], _i64
+    lib.ur_amx.argtypes, lib.ur_amx.restype = [_int], _int
+    lib.ur_version.restype = _int
     return lib
 
 
@@ -118,10 +120,33 @@ class isa:
         _lib = self.saved
 
 
+def identity() -> str:
+    """Which arithmetic the forward runs (for the L3 witness: KV computed by another must
+    not be reused as if it were this one's): the row-invariant kernels' version (the same
+    bits on every CPU), or torch's kernels."""
+    return f"row-invariant v{lib().ur_version()}" if available() else "torch"
+
+
+class no_amx:
+    """`with kernels.no_amx():` quantized products of many rows without AMX's tiles (the
+    same bits: for tests and A/B runs). Process-wide while it lasts."""
+
+    def __enter__(self):
+        self.was = bool(available() and lib().ur_amx(-1))
+        if available():
+            lib().ur_amx(0)
+        return self
+
+    def __exit__(self, *exc):
+        if self.was:
+            lib().ur_amx(1)
+
+
 def describe() -> str:
     """For the start-up line: which kernels the forward runs on."""
     if available():
-        return f"row-invariant kernels ({_lib.ur_isa().decode()})"
+        amx = ", AMX tiles for quantized products of 16 rows or more" if _lib.ur_amx(-1) else ""
+        return f"row-invariant kernels ({_lib.ur_isa().decode()}{amx})"
     if _state["off"]:
         return "torch's kernels (switched off here)"
     return (f"torch's kernels ({_state['why'] or 'not loaded'}): a row's values depend on the rows beside it, so "
@@ -210,11 +235,12 @@ def _rows(call, ids: torch.Tensor, K: int) -> torch.Tensor:
 
 class PackedQuant(_Packed):
     """W [out, in] as a GGUF file stores it (model/hf/gguf_blocks.Codes: codes u, per-group
-    scales a and offsets b, w = a (u - off) + b), row by row in blocks of 32 inputs at
-    about the file's bits per weight (kernels.c, ur_linear_q), with float32 a and
-    c = b - a off per group: `linear_q` multiplies it the way llama.cpp does (activations
-    rounded to 8 bits per block of 32, integer dot products), and a lookup (`rows`) gives
-    the file's own dequantised float32 values. `dtype` is float32 (what it stands for)."""
+    scales a and offsets b, w = a (u - off) + b), in panels of PW rows and blocks of 32
+    inputs (`_panel_blocks`) at about the file's bits per weight (kernels.c, ur_linear_q),
+    with float32 a and c = b - a off per group: `linear_q` multiplies it the way llama.cpp
+    does (activations rounded to 8 bits per block of 32, integer dot products), and a
+    lookup (`rows`) gives the file's own dequantised float32 values. `dtype` is float32
+    (what it stands for)."""
 
     __slots__ = ("codes", "a", "c", "out_features", "in_features", "bits", "group", "kind")
     _storage = "codes"
@@ -243,17 +269,7 @@ class PackedQuant(_Packed):
         def panels(t):  # [rows, per] -> [panels, per, PW]: the panel's rows side by side
             return t.view(-1, PW, t.shape[1], *t.shape[2:]).transpose(1, 2).contiguous()
         self.a, self.c = panels(a), None if b is None else panels(b)
-        blocks = u.view(-1, K // 32, 32)
-        if bits in (6, 8):
-            packed = blocks.contiguous().view(torch.uint8)
-        else:
-            c = blocks.to(torch.int32)
-            planes = [((c[..., :16] & 0x0F) | ((c[..., 16:] & 0x0F) << 4)).to(torch.uint8)]
-            if bits == 5:  # a 32-bit word: bit i is input i's fifth bit
-                word = (((c >> 4) & 1).to(torch.int64) << torch.arange(32, dtype=torch.int64)).sum(-1)
-                planes.append(((word[..., None] >> (torch.arange(4, dtype=torch.int64) * 8)) & 0xFF).to(torch.uint8))
-            packed = torch.cat(planes, dim=-1)
-        self.codes = panels(packed)   # [panels, blocks, PW, block bytes]
+        self.codes = _panel_blocks(u, bits)   # [panels, blocks, panel block bytes]
 
     def __getitem__(self, ids: torch.Tensor) -> torch.Tensor:
         """W[ids]: an embedding lookup reading the blocks (float32)."""
@@ -281,6 +297,25 @@ class PackedQuant(_Packed):
 
     def __repr__(self) -> str:
         return f"PackedQuant({self.out_features}x{self.in_features}, {self.kind or f'{self.bits}-bit'})"
+
+
+def _panel_blocks(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes u [rows (a multiple of PW), K] in kernels.c's panel blocks: per panel of PW
+    rows and block of 32 inputs, eight lines of 64 bytes, line g [row j][input 4g + i]
+    (an AMX B tile's rows, a vector lane a row); 4 and 5 bits: lines g and g + 4 in one
+    line's low and high nibbles; 5 bits: then per line a 64-bit word, bit 4j + i that
+    code's fifth bit."""
+    rows, K = u.shape
+    lines = u.view(rows // PW, PW, K // 32, 8, 4).permute(0, 2, 3, 1, 4)   # [panel, block, line, row, 4]
+    if bits in (6, 8):
+        return lines.contiguous().view(torch.uint8).reshape(rows // PW, K // 32, 8 * 64)
+    c = lines.to(torch.int32)
+    nib = ((c[:, :, :4] & 0x0F) | ((c[:, :, 4:] & 0x0F) << 4)).to(torch.uint8).reshape(rows // PW, K // 32, 4 * 64)
+    if bits == 4:
+        return nib.contiguous()
+    fifth = ((c >> 4) & 1).reshape(rows // PW, K // 32, 8, 8, 8)            # [.., line, byte, bit]
+    words = (fifth << torch.arange(8, dtype=torch.int32)).sum(-1).to(torch.uint8).reshape(rows // PW, K // 32, 64)
+    return torch.cat([nib, words], dim=-1).contiguous()
 
 
 def linear_q(x: torch.Tensor, w: PackedQuant, b: torch.Tensor | None = None) -> torch.Tensor:

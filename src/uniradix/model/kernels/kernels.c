@@ -48,7 +48,9 @@
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
 const char *ur_isa(void) { return UR_ISA; }
-int ur_version(void) { return 1; }
+/* the arithmetic's version: raised when any kernel's bits change (2: quantized products sum
+   each group in integers, one chain of groups), so stored KV of another never meets this */
+int ur_version(void) { return 2; }
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -354,23 +356,34 @@ void ur_linear_io(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, con
    does: the activations rounded to 8 bits per block of 32, integer dot products with the
    codes, the scales applied in float32.
 
-   Layout, row by row: a row's codes in blocks of 32 inputs (`bits` 8: 32 signed bytes;
-   4: 16 bytes, input i in the low nibble of byte i and input i + 16 in its high one;
-   5: those 16 bytes, then a 32-bit word whose bit i is input i's fifth bit; 6: 32
-   unsigned bytes), and apart, per group of G inputs (32, or 16 for Q6_K), a scale a and,
-   where the format has one, c: the weight is w = a * u + c (gguf_blocks: c = b - a off).
+   A weight row's codes u in blocks of 32 inputs (8 bits: signed; 4, 5, 6: unsigned) and,
+   per group of G inputs (32, or 16 for Q6_K), a scale a and, where the format has one, c:
+   the weight is w = a * u + c (gguf_blocks: c = b - a off).
 
    A row x of the activations is quantised once per call, per block b of 32: d_b =
-   max|x| / 127, q_i = nearest(x_i * 127 / max|x|), and per group the sum of its q. Then
-   y = sum over blocks of float(the block's integer dots, 8 lanes) * a_g d_b, lane by
-   lane in block order, the 8 lanes summed in a fixed tree, plus sum_g c_g d_b sum(q)_g
-   in group order. Every step depends on this row and this weight row alone: the same
-   bits in a decode step, a prefill chunk of any size and any thread count. */
-#define PW 4   /* rows a panel interleaves, block by block (kernels.PackedQuant packs it); a tile takes them all: independent chains */
-static inline int64_t qblock_bytes(int bits) { return bits == 4 ? 16 : bits == 5 ? 20 : 32; }
+   max|x| / 127, q_i = nearest(x_i * 127 / max|x|), and per group the sum of its q times
+   d_b. Then, for each output, one chain in group order:
+       acc = fma(float(sum of the group's u q, in integers), a_g * d_b, acc)
+   plus sum_g c_g (d_b sum(q))_g (one chain of fmas in group order), plus the bias. The
+   group's integer sum is exact however it is formed (four products at a time by VNNI's
+   dpbusd or AVX2's maddubs, sixteen rows of a tile at once by AMX), so every path, every
+   row count and every thread count gives the same bits.
 
-/* x [K] -> q [K] int8, d [K / 32] per block, s [K / G] the group sums of q times d. */
-static void quantize_row(const float *x, int64_t K, int64_t G, int8_t *q, float *d, float *s) {
+   Packed layout (kernels.PackedQuant): panels of QP = 16 weight rows; a panel's block b
+   (16 rows x 32 inputs) lies as eight groups of four inputs, group g a line of 64 bytes,
+   [row j][input 4g + i]: exactly an AMX B tile's rows and one AVX-512 vector, a lane per
+   weight row. Bytes per panel block: 8 and 6 bits: 512 (a code a byte); 4 bits: 256
+   (line g's codes in the low nibbles of line g % 4, for g >= 4 in the high ones); 5 bits:
+   those 256, then per group a 64-bit word whose bit 4j + i is that code's fifth bit. The
+   scales a (and c) lie [panel][group][16]. */
+#define QP 16   /* weight rows a panel holds (kernels.PackedQuant's PW) */
+static inline int64_t qblock_bytes(int bits) { return bits == 4 ? 16 : bits == 5 ? 20 : 32; }  /* a row's, per block */
+static inline int64_t qpanel_block(int bits) { return QP * qblock_bytes(bits); }
+
+/* x [K] -> q [K] int8, d [K / 32] per block, s [K / G] the group sums of q times d, o
+   [K / G] the group sums of q times -128 (the offset of VNNI's unsigned reading of 8-bit
+   codes). */
+static void quantize_row(const float *x, int64_t K, int64_t G, int8_t *q, float *d, float *s, int32_t *o) {
     for (int64_t b = 0; b < K / 32; b++) {
         const float *xb = x + b * 32;
         float amax = 0.0f;
@@ -380,336 +393,431 @@ static void quantize_row(const float *x, int64_t K, int64_t G, int8_t *q, float 
         }
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         d[b] = amax / 127.0f;
+#if defined(UR_AVX512) || defined(UR_AVX2)
+        /* x * inv rounded to the nearest integer, ties to even (nearbyintf's rounding, in
+           the vector unit: the library call cost more than the products), then clamped */
+        for (int i = 0; i < 32; i += 8) {
+            __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i), _mm256_set1_ps(inv)),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+            const __m256i w = _mm256_cvtps_epi32(r);   /* integers already: exact */
+            const __m128i h = _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+            _mm_storel_epi64((__m128i *)(q + b * 32 + i), _mm_packs_epi16(h, h));
+        }
+#else
         for (int i = 0; i < 32; i++) {
             float r = nearbyintf(xb[i] * inv);
             r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
             q[b * 32 + i] = (int8_t)r;
         }
+#endif
     }
     for (int64_t g = 0; g < K / G; g++) {
         int sum = 0;
         for (int64_t i = 0; i < G; i++) sum += q[g * G + i];
         s[g] = (float)sum * d[(g * G) / 32];
+        o[g] = -128 * sum;
     }
 }
 
-#if defined(UR_AVX2) || defined(UR_AVX512)
-/* A block's 32 codes as bytes (unsigned, or signed for bits 8). */
-static inline __m256i qcodes(const uint8_t *p, const int bits) {
-    if (bits == 8 || bits == 6) return _mm256_loadu_si256((const __m256i *)p);
-    const __m128i v = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(0x0F);
-    __m256i u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
-    if (bits == 5) {
-        uint32_t h;
-        memcpy(&h, p + 16, 4);
-        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-        __m256i hb = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)h), spread), bit);
-        hb = _mm256_and_si256(_mm256_cmpeq_epi8(hb, bit), _mm256_set1_epi8(0x10));
-        u = _mm256_or_si256(u, hb);
-    }
+/* code k (0 .. 31) of weight row j in a panel block, as the integer it stands for */
+static inline int qcode_at(const uint8_t *pb, int bits, int j, int k) {
+    const int g = k / 4, i = k % 4;
+    if (bits == 8) return (int8_t)pb[g * 64 + j * 4 + i];
+    if (bits == 6) return pb[g * 64 + j * 4 + i];
+    int u = (pb[(g & 3) * 64 + j * 4 + i] >> (g >= 4 ? 4 : 0)) & 0x0F;
+    if (bits == 5) u |= (int)((pb[256 + g * 8 + (j * 4 + i) / 8] >> ((j * 4 + i) % 8)) & 1) << 4;
     return u;
 }
 
-/* The block's 8 lanes of integer dots of codes u with activations q (32 int8). */
-static inline __m256 qdot(__m256i u, __m256i q, const int bits) {
-    __m256i p;
-    if (bits == 8) p = _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u));
-    else p = _mm256_maddubs_epi16(u, q);
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* A tile row's end: the panel's first nw outputs v (the blocks' sums) plus, where the
-   format has offsets, sum_g c_g (d_b sum(q))_g in group order (sr: this activation row's
-   group sums), plus the bias, stored at y[n0 ..]. */
-static inline void qstore(const int nw, float *v, const float *c, const float *sr, int64_t ng, const float *bias,
-                          int64_t n0, float *y) {
+/* A panel's outputs for one activation row, from its accumulated group sums: plus
+   sum_g c_g s_g (c NULL: none), plus the bias, stored (the first nw of the 16). Lane by
+   lane the same operations in every path. */
+static inline void qfinish(float *v, const float *c, const float *sr, int64_t ng, const float *bias, int64_t n0,
+                           int nw, float *y) {
     if (c) {
-        float cs[PW] = {0.0f};
+        float cs[QP] = {0.0f};
         for (int64_t g = 0; g < ng; g++)
-            for (int j = 0; j < nw; j++) cs[j] = fmaf(c[g * PW + j], sr[g], cs[j]);
-        for (int j = 0; j < nw; j++) v[j] += cs[j];
+            for (int j = 0; j < QP; j++) cs[j] = fmaf(c[g * QP + j], sr[g], cs[j]);
+        for (int j = 0; j < QP; j++) v[j] += cs[j];
     }
-    for (int j = 0; j < nw; j++) {
-        if (bias) v[j] += bias[n0 + j];
-        y[n0 + j] = v[j];
-    }
+    for (int j = 0; j < nw; j++) y[n0 + j] = bias ? v[j] + bias[n0 + j] : v[j];
 }
 
-#if defined(UR_AVX512) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-/* AVX-512: two weight rows' blocks side by side in one vector, lanes 0-7 row j's eight
-   dots laid out exactly as the AVX2 tile lays them (qcodes, qdot), lanes 8-15 row
-   j + 1's; the scales, the accumulation and the final sums are the AVX2 tile's lane by
-   lane, so the bits are the same. The integer dots are exact either way (maddubs
-   cannot saturate on these codes: |u| <= 128, |q| <= 127, a pair <= 32512), so
-   AVX512-VNNI's dpbusd gives the same integers in one instruction. */
-#define QROWS 4   /* activation rows a tile takes */
-
-/* Rows j and j + 1's block (row j's at p, row j + 1's right after it) as
-   [row j's 32 codes, row j + 1's]. */
-static inline __m512i qcodes2(const uint8_t *p, const int bits) {
-    if (bits == 8 || bits == 6) return _mm512_loadu_si512((const void *)p);
-    /* 4 and 5 bits: the two rows' 16 bytes of nibbles (5: 20 bytes apart, each followed
-       by its word of fifth bits) */
-    const __m256i v = bits == 4 ? _mm256_loadu_si256((const __m256i *)p)
-                                : _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)),
-                                                          _mm_loadu_si128((const __m128i *)(p + 20)), 1);
-    const __m256i m = _mm256_set1_epi8(0x0F);
-    const __m256i lo = _mm256_and_si256(v, m), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-    /* [lo j, lo j+1, hi j, hi j+1] -> [lo j, hi j, lo j+1, hi j+1]: byte i is row j's
-       input i, byte 32 + i row j + 1's */
-    const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-    __m512i u = _mm512_shuffle_i64x2(x, x, _MM_SHUFFLE(3, 1, 2, 0));
-    if (bits == 5) {  /* bit i of the two words: input i's fifth bit, as a byte mask */
-        uint32_t h0, h1;
-        memcpy(&h0, p + 16, 4);
-        memcpy(&h1, p + 36, 4);
-        const __mmask64 fifth = (__mmask64)h0 | ((__mmask64)h1 << 32);
-        u = _mm512_or_si512(u, _mm512_maskz_mov_epi8(fifth, _mm512_set1_epi8(0x10)));
-    }
-    return u;
-}
-
-/* With VNNI, 8-bit codes u are read as u + 128 (one xor: dpbusd's unsigned operand) and
-   the lane's 128 sum(q) taken off by starting the sum from its negation (o, made once a
-   call: q8_offsets): u q exactly, the integers the sign trick below gives. */
+#if defined(UR_AVX512) && defined(__AVX512BW__)
 #if defined(__AVX512VNNI__)
-#define Q8_OFFSET 1
+#define Q8_OFFSET 1   /* 8-bit codes read as u + 128 (dpbusd's unsigned operand), the group's sum started at o */
 #else
 #define Q8_OFFSET 0
 #endif
+#define QROWS 4   /* activation rows a pass over a panel's codes takes */
 
-static inline __m512 qdot2(__m512i u, __m512i q, const int bits, __m512i o) {
+/* Line g of a panel block: 16 weight rows x 4 codes, a lane a row (8 bits with VNNI: xor 0x80). */
+static inline __m512i qline(const uint8_t *pb, int g, const int bits) {
+    if (bits == 8 || bits == 6) {
+        __m512i v = _mm512_loadu_si512((const void *)(pb + g * 64));
+        return bits == 8 && Q8_OFFSET ? _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)) : v;
+    }
+    __m512i v = _mm512_loadu_si512((const void *)(pb + (g & 3) * 64));
+    if (g >= 4) v = _mm512_srli_epi16(v, 4);
+    v = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+    if (bits == 5) {
+        uint64_t h;
+        memcpy(&h, pb + 256 + g * 8, 8);
+        v = _mm512_or_si512(v, _mm512_maskz_mov_epi8((__mmask64)h, _mm512_set1_epi8(0x10)));
+    }
+    return v;
+}
+
+/* s + each lane's four codes u times the four activations q4 (one int32, broadcast) */
+static inline __m512i qdot(__m512i s, __m512i u, int32_t q4, const int bits) {
+    __m512i q = _mm512_set1_epi32(q4);
 #if Q8_OFFSET
-    if (bits == 8) return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(o, u, q));  /* u: the codes xor 0x80 */
+    (void)bits;
+    return _mm512_dpbusd_epi32(s, u, q);
 #else
-    (void)o;
-#endif
-    if (bits == 8) {  /* |u| times q with u's sign: u q exactly */
+    if (bits == 8) {  /* |u| times q with u's sign: u q exactly (a pair at most 2 * 128 * 127) */
         q = _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(u), _mm512_setzero_si512(), q);
         u = _mm512_abs_epi8(u);
     }
-#if defined(__AVX512VNNI__)
-    return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, q));
-#else
-    return _mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_maddubs_epi16(u, q), _mm512_set1_epi16(1)));
+    return _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(u, q), _mm512_set1_epi16(1)));
 #endif
 }
 
-#if Q8_OFFSET
-/* o for each row's blocks [M][K / 32][8]: -128 times the sum of each 4 activations. */
-static int32_t *q8_offsets(const int8_t *q, int64_t M, int64_t K) {
-    int32_t *o = malloc(sizeof(int32_t) * (size_t)(M * (K / 32) * 8 + 1));
-    for (int64_t i = 0; i < M * K / 4; i++)
-        o[i] = -128 * ((int32_t)q[4 * i] + q[4 * i + 1] + q[4 * i + 2] + q[4 * i + 3]);
-    return o;
-}
-#endif
+static inline __m512 qscale(const float *a, float d) { return _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_set1_ps(d)); }
 
-static inline __attribute__((always_inline)) void qtile(
-        const int mr, const int nw, const int8_t *q, const float *d, const float *s, const int32_t *qo, int64_t K,
-        const uint8_t *codes, const float *a, const float *c, int bits, int64_t G,
-        const float *bias, int64_t n0, float *y, int64_t ldy) {
-    const int64_t nb = K / 32, ng = K / G, bb = qblock_bytes(bits);
-    /* each lane's scale a among the block's (G 32: a's 4 rows; G 16: a's 4 rows of group
-       2b, then of group 2b + 1) */
-    const __m512i i0 = G == 32 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
-                               : _mm512_set_epi32(5, 5, 5, 5, 1, 1, 1, 1, 4, 4, 4, 4, 0, 0, 0, 0);
-    const __m512i i1 = _mm512_add_epi32(i0, _mm512_set1_epi32(2));
-    __m512 acc[QROWS][2];
-    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+/* Rows [0, mr) of the quantised activations against one panel (pc: its codes, a and c its
+   scales), outputs n0 .. n0 + nw. nxt: the next panel's codes, read ahead (NULL: none). */
+static inline __attribute__((always_inline)) void qpanel_bg(
+        const int bits, const int64_t G, const int mr, const int8_t *q, const float *d, const float *s,
+        const int32_t *o, int64_t K, const uint8_t *pc, const uint8_t *nxt, const float *a, const float *c,
+        const float *bias, int64_t n0, int nw, float *y, int64_t ldy) {
+    const int64_t nb = K / 32, ng = K / G, pbb = qpanel_block(bits);
+    __m512 acc[QROWS];
+    for (int r = 0; r < mr; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *cb = codes + b * PW * bb;
-        __m512i u0 = qcodes2(cb, bits), u1 = qcodes2(cb + 2 * bb, bits);
-        if (Q8_OFFSET && bits == 8) {
-            u0 = _mm512_xor_si512(u0, _mm512_set1_epi8((char)0x80));
-            u1 = _mm512_xor_si512(u1, _mm512_set1_epi8((char)0x80));
-        }
-        const __m512 av = G == 32 ? _mm512_castps128_ps512(_mm_loadu_ps(a + b * PW))
-                                  : _mm512_castps256_ps512(_mm256_loadu_ps(a + 2 * b * PW));
-        const __m512 a0 = _mm512_permutexvar_ps(i0, av), a1 = _mm512_permutexvar_ps(i1, av);
+        const uint8_t *pb = pc + b * pbb;
+        if (nxt) prefetch_row((const char *)(nxt + b * pbb), pbb);
+        __m512i s0[QROWS], s1[QROWS];
         for (int r = 0; r < mr; r++) {
-            const __m512i qv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(q + r * K + b * 32)));
-            const __m512 db = _mm512_set1_ps(d[r * nb + b]);   /* each lane's scale a d: one rounding, as AVX2's */
-            const __m512i o = Q8_OFFSET && bits == 8
-                ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qo + (r * nb + b) * 8)))
-                : _mm512_setzero_si512();
-            acc[r][0] = _mm512_fmadd_ps(qdot2(u0, qv, bits, o), _mm512_mul_ps(a0, db), acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(qdot2(u1, qv, bits, o), _mm512_mul_ps(a1, db), acc[r][1]);
+            s0[r] = bits == 8 && Q8_OFFSET ? _mm512_set1_epi32(o[r * ng + b * 32 / G]) : _mm512_setzero_si512();
+            s1[r] = _mm512_setzero_si512();
         }
-    }
-    for (int r = 0; r < mr; r++) {
-        float v[PW];
-        for (int h = 0; h < 2; h++) {
-            v[2 * h] = hsum8(_mm512_castps512_ps256(acc[r][h]));
-            v[2 * h + 1] = hsum8(_mm512_extractf32x8_ps(acc[r][h], 1));
-        }
-        qstore(nw, v, c, s + r * ng, ng, bias, n0, y + r * ldy);
-    }
-}
-
-static inline __attribute__((always_inline)) void qrows_bg(
-        const int bits, const int64_t G, int mr, int nw, const int8_t *q, const float *d, const float *s,
-        const int32_t *qo, int64_t K,
-        const uint8_t *codes, int64_t rb, const float *a, const float *c, const float *bias, int64_t n0, float *y,
-        int64_t ldy) {
-    (void)rb;
-#define Q(R) qtile(R, nw, q, d, s, qo, K, codes, a, c, bits, G, bias, n0, y, ldy)
-    switch (mr) { case 4: Q(4); return; case 3: Q(3); return; case 2: Q(2); return; default: Q(1); return; }
-#undef Q
-}
-
-#else
-#define QROWS 2   /* activation rows a tile takes */
-/* Rows [0, mr) of the quantised activations against weight rows [n0, n0 + nw); each
-   output's operations are the same whatever mr and nw are. */
-static inline __attribute__((always_inline)) void qtile(
-        const int mr, const int nw, const int8_t *q, const float *d, const float *s, int64_t K,
-        const uint8_t *codes, int64_t rb, const float *a, const float *c, int bits, int64_t G,
-        const float *bias, int64_t n0, float *y, int64_t ldy) {
-    const int64_t nb = K / 32, ng = K / G, bb = qblock_bytes(bits);
-    __m256 acc[QROWS][PW];
-    for (int r = 0; r < mr; r++)
-        for (int j = 0; j < nw; j++) acc[r][j] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i u[PW];
-        for (int j = 0; j < nw; j++) u[j] = qcodes(codes + (b * PW + j) * bb, bits);
-        for (int r = 0; r < mr; r++) {
-            const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + r * K + b * 32));
-            const float db = d[r * nb + b];
-            for (int j = 0; j < nw; j++) {
-                const __m256 f = qdot(u[j], qv, bits);
-                __m256 scale;
-                if (G == 32) scale = _mm256_set1_ps(a[b * PW + j] * db);
-                else scale = _mm256_set_m128(_mm_set1_ps(a[(2 * b + 1) * PW + j] * db), _mm_set1_ps(a[2 * b * PW + j] * db));
-                acc[r][j] = _mm256_fmadd_ps(f, scale, acc[r][j]);
+        for (int g = 0; g < 8; g++) {
+            const __m512i u = qline(pb, g, bits);
+            for (int r = 0; r < mr; r++) {
+                int32_t q4;
+                memcpy(&q4, q + r * K + b * 32 + g * 4, 4);
+                if (g & 1) s1[r] = qdot(s1[r], u, q4, bits);
+                else s0[r] = qdot(s0[r], u, q4, bits);
+            }
+            if (G == 16 && g == 3) {  /* the block's first group of 16 */
+                for (int r = 0; r < mr; r++) {
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r])),
+                                             qscale(a + 2 * b * QP, d[r * nb + b]), acc[r]);
+                    s0[r] = bits == 8 && Q8_OFFSET ? _mm512_set1_epi32(o[r * ng + 2 * b + 1]) : _mm512_setzero_si512();
+                    s1[r] = _mm512_setzero_si512();
+                }
             }
         }
+        const float *ab = a + (G == 16 ? 2 * b + 1 : b) * QP;
+        for (int r = 0; r < mr; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r])), qscale(ab, d[r * nb + b]),
+                                     acc[r]);
     }
     for (int r = 0; r < mr; r++) {
-        float v[PW];
-        for (int j = 0; j < nw; j++) v[j] = hsum8(acc[r][j]);
-        qstore(nw, v, c, s + r * ng, ng, bias, n0, y + r * ldy);
+        float v[QP];
+        _mm512_storeu_ps(v, acc[r]);
+        qfinish(v, c, s + r * ng, ng, bias, n0, nw, y + r * ldy);
     }
 }
 
-static inline __attribute__((always_inline)) void qrows_bg(
-        const int bits, const int64_t G, int mr, int nw, const int8_t *q, const float *d, const float *s,
-        const int32_t *qo, int64_t K,
-        const uint8_t *codes, int64_t rb, const float *a, const float *c, const float *bias, int64_t n0, float *y,
-        int64_t ldy) {
-    (void)qo;
-#define Q(R, W) qtile(R, W, q, d, s, K, codes, rb, a, c, bits, G, bias, n0, y, ldy)
-    if (mr == 2) {
-        switch (nw) { case 4: Q(2, 4); return; case 3: Q(2, 3); return; case 2: Q(2, 2); return; default: Q(2, 1); return; }
+#elif defined(UR_AVX2)
+#define Q8_OFFSET 0
+#define QROWS 2
+
+/* Line g of a panel block, the half h's 8 weight rows x 4 codes (a lane a row). */
+static inline __m256i qline(const uint8_t *pb, int g, int h, const int bits) {
+    if (bits == 8 || bits == 6) return _mm256_loadu_si256((const __m256i *)(pb + g * 64 + h * 32));
+    __m256i v = _mm256_loadu_si256((const __m256i *)(pb + (g & 3) * 64 + h * 32));
+    if (g >= 4) v = _mm256_srli_epi16(v, 4);
+    v = _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+    if (bits == 5) {  /* the word's 32 bits of this half, bit t to byte t's 0x10 */
+        uint32_t w;
+        memcpy(&w, pb + 256 + g * 8 + h * 4, 4);
+        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        __m256i hb = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)w), spread), bit);
+        v = _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(hb, bit), _mm256_set1_epi8(0x10)));
     }
-    switch (nw) { case 4: Q(1, 4); return; case 3: Q(1, 3); return; case 2: Q(1, 2); return; default: Q(1, 1); return; }
-#undef Q
+    return v;
 }
 
+static inline __m256i qdot(__m256i s, __m256i u, int32_t q4, const int bits) {
+    __m256i q = _mm256_set1_epi32(q4), p;
+    if (bits == 8) p = _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(q, u));
+    else p = _mm256_maddubs_epi16(u, q);
+    return _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+}
+
+static inline __m256 qscale(const float *a, float d) { return _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_set1_ps(d)); }
+
+static inline __attribute__((always_inline)) void qpanel_bg(
+        const int bits, const int64_t G, const int mr, const int8_t *q, const float *d, const float *s,
+        const int32_t *o, int64_t K, const uint8_t *pc, const uint8_t *nxt, const float *a, const float *c,
+        const float *bias, int64_t n0, int nw, float *y, int64_t ldy) {
+    const int64_t nb = K / 32, ng = K / G, pbb = qpanel_block(bits);
+    (void)o;
+    float v[QROWS][QP];
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[QROWS];
+        for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *pb = pc + b * pbb;
+            if (nxt && h == 0) prefetch_row((const char *)(nxt + b * pbb), pbb);
+            __m256i s0[QROWS], s1[QROWS];
+            for (int r = 0; r < mr; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+            for (int g = 0; g < 8; g++) {
+                const __m256i u = qline(pb, g, h, bits);
+                for (int r = 0; r < mr; r++) {
+                    int32_t q4;
+                    memcpy(&q4, q + r * K + b * 32 + g * 4, 4);
+                    if (g & 1) s1[r] = qdot(s1[r], u, q4, bits);
+                    else s0[r] = qdot(s0[r], u, q4, bits);
+                }
+                if (G == 16 && g == 3) {
+                    for (int r = 0; r < mr; r++) {
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0[r], s1[r])),
+                                                 qscale(a + 2 * b * QP + h * 8, d[r * nb + b]), acc[r]);
+                        s0[r] = s1[r] = _mm256_setzero_si256();
+                    }
+                }
+            }
+            const float *ab = a + (G == 16 ? 2 * b + 1 : b) * QP + h * 8;
+            for (int r = 0; r < mr; r++)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(s0[r], s1[r])),
+                                         qscale(ab, d[r * nb + b]), acc[r]);
+        }
+        for (int r = 0; r < mr; r++) _mm256_storeu_ps(v[r] + h * 8, acc[r]);
+    }
+    for (int r = 0; r < mr; r++) qfinish(v[r], c, s + r * ng, ng, bias, n0, nw, y + r * ldy);
+}
+
+#else
+#define Q8_OFFSET 0
+#define QROWS 1
+
+static inline void qpanel_bg(
+        const int bits, const int64_t G, const int mr, const int8_t *q, const float *d, const float *s,
+        const int32_t *o, int64_t K, const uint8_t *pc, const uint8_t *nxt, const float *a, const float *c,
+        const float *bias, int64_t n0, int nw, float *y, int64_t ldy) {
+    const int64_t nb = K / 32, ng = K / G, pbb = qpanel_block(bits);
+    (void)o; (void)nxt; (void)mr; (void)ldy;
+    float v[QP];
+    for (int j = 0; j < QP; j++) {
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *pb = pc + b * pbb;
+            for (int h = 0; h < 32 / G; h++) {
+                int sum = 0;
+                for (int k = h * (int)G; k < (h + 1) * (int)G; k++) sum += qcode_at(pb, bits, j, k) * q[b * 32 + k];
+                acc = fmaf((float)sum, a[(b * 32 / G + h) * QP + j] * d[b], acc);
+            }
+        }
+        v[j] = acc;
+    }
+    qfinish(v, c, s, ng, bias, n0, nw, y);
+}
 #endif
 
 /* One specialisation per format (bits, group), so that the inner loop has no branch. */
-static void qrows(int mr, int nw, const int8_t *q, const float *d, const float *s, const int32_t *qo, int64_t K,
-                  const uint8_t *codes,
-                  int64_t rb, const float *a, const float *c, int bits, int64_t G, const float *bias, int64_t n0,
-                  float *y, int64_t ldy) {
-#define B(BITS, GG) qrows_bg(BITS, GG, mr, nw, q, d, s, qo, K, codes, rb, a, c, bias, n0, y, ldy)
-    if (G == 16) { B(6, 16); return; }
-    switch (bits) { case 8: B(8, 32); return; case 4: B(4, 32); return; case 5: B(5, 32); return; default: B(6, 32); return; }
+static void qpanel(int mr, const int8_t *q, const float *d, const float *s, const int32_t *o, int64_t K,
+                   const uint8_t *pc, const uint8_t *nxt, const float *a, const float *c, int bits, int64_t G,
+                   const float *bias, int64_t n0, int nw, float *y, int64_t ldy) {
+#define B(BITS, GG, R) qpanel_bg(BITS, GG, R, q, d, s, o, K, pc, nxt, a, c, bias, n0, nw, y, ldy)
+#define F(BITS, GG) switch (mr) { case QROWS: B(BITS, GG, QROWS); return; default: B(BITS, GG, 1); return; }
+    if (QROWS > 2 && mr > 1 && mr < QROWS) {  /* 2 or 3 of 4 rows: one row at a time, the same operations */
+        for (int r = 0; r < mr; r++)
+            qpanel(1, q + r * K, d + r * (K / 32), s + r * (K / G), o + r * (K / G), K, pc, r ? NULL : nxt, a, c, bits,
+                   G, bias, n0, nw, y + r * ldy, ldy);
+        return;
+    }
+    if (G == 16) { F(6, 16) }
+    switch (bits) {
+    case 8: F(8, 32)
+    case 4: F(4, 32)
+    case 5: F(5, 32)
+    default: F(6, 32)
+    }
+#undef F
 #undef B
 }
 
-#else
-#define QROWS 1
-static inline int qcode(const uint8_t *p, int bits, int i) {
-    if (bits == 8) return (int8_t)p[i];
-    if (bits == 6) return p[i];
-    int u = i < 16 ? (p[i] & 0x0F) : (p[i - 16] >> 4);
-    if (bits == 5) { uint32_t h; memcpy(&h, p + 16, 4); u |= (int)((h >> i) & 1) << 4; }
-    return u;
+/* ------------------------------------------------------------------ AMX */
+#if defined(UR_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define UR_AMX 1
+#define AMX_ROWS 16   /* activation rows from which a product takes AMX's tiles */
+static int amx_state;   /* 0: not asked yet; 1: the kernel lets this process use the tiles; -1: not, or switched off */
+
+/* Whether products take AMX (asked of the kernel once: Linux lends the tile state to a
+   process that requests it). want 0 switches it off, 1 back on (if granted), -1 asks. */
+int ur_amx(int want) {
+    if (want == 0) { amx_state = -1; return 0; }
+    if (amx_state == 0 || want == 1)
+        amx_state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 1 : -1;
+    return amx_state > 0;
 }
 
-static void qrows(int mr, int nw, const int8_t *q, const float *d, const float *s, const int32_t *qo, int64_t K,
-                  const uint8_t *codes, int64_t rb, const float *a, const float *c, int bits, int64_t G,
-                  const float *bias, int64_t n0, float *y, int64_t ldy) {
-    const int64_t nb = K / 32, bb = qblock_bytes(bits);
-    (void)mr; (void)rb; (void)ldy; (void)qo;
-    for (int j = 0; j < nw; j++) {
-        float acc[8] = {0};
-        for (int64_t b = 0; b < nb; b++) {
-            const float db = d[b];
-            const uint8_t *p = codes + (b * PW + j) * bb;
-            for (int l = 0; l < 8; l++) {
-                int dot = 0;
-                for (int i = 4 * l; i < 4 * l + 4; i++) dot += qcode(p, bits, i) * q[b * 32 + i];
-                const float sc = G == 32 ? a[b * PW + j] * db : a[(2 * b + (l >= 4)) * PW + j] * db;
-                acc[l] = fmaf((float)dot, sc, acc[l]);
+typedef struct {
+    uint8_t palette, start_row, zero[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* tiles 0-3: C, 16 rows x 16 int32 sums (four groups in flight); tiles 4-5: A, 16
+   activation rows x one group (G bytes); tiles 6-7: B, the group's G / 4 lines of a
+   panel block (64 bytes: 16 weight rows x 4 codes) */
+static void amx_configure(int64_t G) {
+    tile_config t;
+    memset(&t, 0, sizeof t);
+    t.palette = 1;
+    for (int i = 0; i < 4; i++) { t.rows[i] = 16; t.colsb[i] = 64; }
+    for (int i = 4; i < 6; i++) { t.rows[i] = 16; t.colsb[i] = (uint16_t)G; }
+    for (int i = 6; i < 8; i++) { t.rows[i] = (uint8_t)(G / 4); t.colsb[i] = 64; }
+    _tile_loadconfig(&t);
+}
+
+/* 16 activation rows (q padded to them: rows past mr are zeros, their d 0) against one
+   panel whose codes lie a byte each, [block][line][64] (pc), outputs of rows [0, mr).
+   Each group's sums come from one tile product, stored, then scaled into the rows'
+   chains two groups later (so the products run while the vector unit scales), with
+   the same float operations as qpanel_bg's, in group order. */
+static inline __attribute__((always_inline)) void qpanel_amx_g(
+        const int bits8, const int64_t G, int mr, const int8_t *q, const float *d, const float *s, int64_t K,
+        const uint8_t *pc, const float *a, const float *c, const float *bias, int64_t n0, int nw, float *y,
+        int64_t ldy) {
+    const int64_t nb = K / 32, ng = K / G;
+    int32_t sums[4][16 * 16] __attribute__((aligned(64)));
+    __m512 acc[16];
+    for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+#define PRODUCT(C, A, B) do {                                                          \
+        _tile_zero(C);                                                                 \
+        _tile_loadd(A, q + g * G, K);                                                  \
+        _tile_loadd(B, pc + g * G * 16, 64);                                           \
+        if (bits8) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B);                  \
+        _tile_stored(C, sums[C], 64);                                                  \
+    } while (0)
+    for (int64_t g = 0; g < ng + 2; g++) {
+        if (g < ng) {
+            switch (g & 3) {
+            case 0: PRODUCT(0, 4, 6); break;
+            case 1: PRODUCT(1, 5, 7); break;
+            case 2: PRODUCT(2, 4, 6); break;
+            default: PRODUCT(3, 5, 7); break;
             }
         }
-        float lo[4], v;
-        for (int l = 0; l < 4; l++) lo[l] = acc[l] + acc[l + 4];
-        lo[0] = lo[0] + lo[2]; lo[1] = lo[1] + lo[3];
-        v = lo[0] + lo[1];
-        if (c) {
-            float cs = 0.0f;
-            for (int64_t g = 0; g < K / G; g++) cs = fmaf(c[g * PW + j], s[g], cs);
-            v += cs;
+        if (g >= 2) {   /* group h = g - 2: its sums were stored two products ago */
+            const int64_t h = g - 2, b = h * G / 32;
+            const int32_t *sh = sums[h & 3];
+            const __m512 av = _mm512_loadu_ps(a + h * QP);
+            for (int r = 0; r < 16; r++)
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(sh + 16 * r))),
+                                         _mm512_mul_ps(av, _mm512_set1_ps(d[r * nb + b])), acc[r]);
         }
-        if (bias) v += bias[n0 + j];
-        y[n0 + j] = v;
+    }
+#undef PRODUCT
+    for (int r = 0; r < mr; r++) {
+        float v[QP];
+        _mm512_storeu_ps(v, acc[r]);
+        qfinish(v, c, s + r * ng, ng, bias, n0, nw, y + r * ldy);
     }
 }
+
+/* The product over AMX: panels split between threads; a 4- or 5-bit panel's codes
+   widened to a byte each once, then every 16 rows of activations against it. */
+static void qlinear_amx(const int8_t *q, const float *d, const float *s, int64_t M, int64_t K, const uint8_t *codes,
+                        const float *a, const float *c, int bits, int64_t G, int64_t N, const float *bias, float *y,
+                        int64_t ldy, int nt) {
+    const int64_t nb = K / 32, ng = K / G, P = (N + QP - 1) / QP, pbb = qpanel_block(bits);
+#pragma omp parallel num_threads(nt) if (nt > 1 && P > 1)
+    {
+        amx_configure(G);
+        uint8_t *wide = bits == 4 || bits == 5 ? aligned_alloc(64, (size_t)(nb * 512)) : NULL;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < P; p++) {
+            const uint8_t *pc = codes + p * nb * pbb;
+            if (wide) {
+                for (int64_t b = 0; b < nb; b++)
+                    for (int g = 0; g < 8; g++)
+                        _mm512_store_si512((void *)(wide + b * 512 + g * 64), qline(pc + b * pbb, g, bits));
+                pc = wide;
+            }
+            const int nw = N - p * QP >= QP ? QP : (int)(N - p * QP);
+            for (int64_t m = 0; m < M; m += 16) {
+                const int mr = M - m >= 16 ? 16 : (int)(M - m);
+#define A(B8, GG) qpanel_amx_g(B8, GG, mr, q + m * K, d + m * nb, s + m * ng, K, pc, a + p * ng * QP, \
+                               c ? c + p * ng * QP : NULL, bias, p * QP, nw, y + m * ldy, ldy)
+                if (G == 16) A(0, 16);
+                else if (bits == 8) A(1, 32);
+                else A(0, 32);
+#undef A
+            }
+        }
+        free(wide);
+        _tile_release();
+    }
+}
+#else
+int ur_amx(int want) { (void)want; return 0; }
 #endif
 
-#ifndef QAHEAD
-#define QAHEAD 2   /* panels ahead whose codes and scales are asked for while one is read */
+#ifndef AMX_ROWS
+#define AMX_ROWS 0
 #endif
 
-/* y [M, N] = x [M, K] @ W^T (+ bias) over W as stored (above): codes [N, K / 32 blocks],
-   a and c [N, K / G] (c NULL: none). K a multiple of 32 and of G. */
+/* y [M, N] = x [M, K] @ W^T (+ bias) over W as stored (above): codes [panels][K / 32][panel
+   block], a and c [panels][K / G][16] (c NULL: none). K a multiple of 32 and of G. */
 void ur_linear_q(const float *x, int64_t M, int64_t K, int64_t ldx, const void *codes, const float *a,
                  const float *c, int bits, int64_t G, int64_t N, const float *bias, float *y, int64_t ldy, int nt) {
     if (M <= 0 || N <= 0) return;
-    const int64_t nb = K / 32, ng = K / G, rb = nb * qblock_bytes(bits);
-    int8_t *q = malloc((size_t)(M * K + 32));
-    float *d = malloc(sizeof(float) * (size_t)(M * nb));
-    float *s = malloc(sizeof(float) * (size_t)(M * ng));
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, G, q + m * K, d + m * nb, s + m * ng);
-    int32_t *qo = NULL;
-#if defined(UR_AVX512) && Q8_OFFSET
-    if (bits == 8) qo = q8_offsets(q, M, K);
+    const int64_t nb = K / 32, ng = K / G, pbb = qpanel_block(bits), P = (N + QP - 1) / QP;
+    const int64_t Mp = (M + 15) / 16 * 16;   /* rows padded for AMX's 16-row tiles: zeros, d 0 */
+    int8_t *q = calloc((size_t)(Mp * K + 64), 1);
+    float *d = calloc((size_t)(Mp * nb), sizeof(float));
+    float *s = malloc(sizeof(float) * (size_t)(Mp * ng));
+    int32_t *o = malloc(sizeof(int32_t) * (size_t)(Mp * ng));
+    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, G, q + m * K, d + m * nb, s + m * ng, o + m * ng);
+#if defined(UR_AMX)
+    if (M >= AMX_ROWS && ur_amx(-1)) {
+        qlinear_amx(q, d, s, M, K, (const uint8_t *)codes, a, c, bits, G, N, bias, y, ldy, nt);
+        free(q); free(d); free(s); free(o);
+        return;
+    }
 #endif
-    const int64_t NC = 64;
-    const int64_t chunks = (N + NC - 1) / NC;
+    const int64_t CP = 4;   /* panels a thread takes at a time */
+    const int64_t chunks = (P + CP - 1) / CP;
 #pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && chunks > 1)
     for (int64_t ch = 0; ch < chunks; ch++) {
-        const int64_t n1 = (ch + 1) * NC < N ? (ch + 1) * NC : N;
-        for (int64_t m = 0; m < M; m += QROWS) {
-            const int mr = M - m >= QROWS ? QROWS : (int)(M - m);
-            for (int64_t n = ch * NC; n < n1; n += PW) {
-                const int nw = n1 - n >= PW ? PW : (int)(n1 - n);
-                if (m == 0 && n + QAHEAD * PW < N) {  /* the panel QAHEAD on: its codes and scales */
-                    const int64_t ahead = n + QAHEAD * PW;
-                    prefetch_row((const char *)codes + ahead * rb, PW * rb);
-                    prefetch_row((const char *)(a + ahead * ng), PW * ng * 4);
-                    if (c) prefetch_row((const char *)(c + ahead * ng), PW * ng * 4);
-                }
-                qrows(mr, nw, q + m * K, d + m * nb, s + m * ng, qo ? qo + m * nb * 8 : NULL, K,
-                      (const uint8_t *)codes + n * rb, rb,
-                      a + n * ng, c ? c + n * ng : NULL, bits, G, bias, n, y + m * ldy, ldy);  /* n: a panel's first row */
+        const int64_t p1 = (ch + 1) * CP < P ? (ch + 1) * CP : P;
+        for (int64_t p = ch * CP; p < p1; p++) {
+            const uint8_t *pc = (const uint8_t *)codes + p * nb * pbb;
+            const uint8_t *nxt = p + 1 < P ? pc + nb * pbb : NULL;
+            if (nxt) {   /* the next panel's scales */
+                prefetch_row((const char *)(a + (p + 1) * ng * QP), ng * QP * 4);
+                if (c) prefetch_row((const char *)(c + (p + 1) * ng * QP), ng * QP * 4);
+            }
+            const int nw = N - p * QP >= QP ? QP : (int)(N - p * QP);
+            for (int64_t m = 0; m < M; m += QROWS) {
+                const int mr = M - m >= QROWS ? QROWS : (int)(M - m);
+                qpanel(mr, q + m * K, d + m * nb, s + m * ng, o + m * ng, K, pc, m == 0 ? nxt : NULL,
+                       a + p * ng * QP, c ? c + p * ng * QP : NULL, bits, G, bias, p * QP, nw, y + m * ldy, ldy);
             }
         }
     }
-    free(q); free(d); free(s); free(qo);
+    free(q); free(d); free(s); free(o);
 }
 
 /* Rows `ids` of a weight as stored, as float32 [n, K]: each weight fma(a, u, c) (a * u
@@ -717,27 +825,19 @@ void ur_linear_q(const float *x, int64_t M, int64_t K, int64_t ldx, const void *
    the table the head multiplies by). */
 void ur_rows_q(const void *codes, const float *a, const float *c, int bits, int64_t G, int64_t K,
                const int64_t *ids, int64_t n, float *out) {
-    const int64_t nb = K / 32, ng = K / G, bb = qblock_bytes(bits);
+    const int64_t nb = K / 32, ng = K / G, pbb = qpanel_block(bits);
     for (int64_t i = 0; i < n; i++) {
-        const int64_t panel = ids[i] / PW, j0 = ids[i] % PW;
-        const uint8_t *pc = (const uint8_t *)codes + panel * PW * nb * bb;
-        const float *pa = a + panel * PW * ng, *pcs = c ? c + panel * PW * ng : NULL;
+        const int64_t panel = ids[i] / QP;
+        const int j = (int)(ids[i] % QP);
+        const uint8_t *pc = (const uint8_t *)codes + panel * nb * pbb;
+        const float *pa = a + panel * ng * QP, *pcs = c ? c + panel * ng * QP : NULL;
         for (int64_t k = 0; k < K; k++) {
-            const uint8_t *p = pc + ((k / 32) * PW + j0) * bb;
-            const int j = (int)(k % 32);
-            int u;
-            if (bits == 8) u = (int8_t)p[j];
-            else if (bits == 6) u = p[j];
-            else {
-                u = j < 16 ? (p[j] & 0x0F) : (p[j - 16] >> 4);
-                if (bits == 5) { uint32_t h; memcpy(&h, p + 16, 4); u |= (int)((h >> j) & 1) << 4; }
-            }
-            const int64_t at = (k / G) * PW + j0;
+            const int u = qcode_at(pc + (k / 32) * pbb, bits, j, (int)(k % 32));
+            const int64_t at = (k / G) * QP + j;
             out[i * K + k] = pcs ? fmaf(pa[at], (float)u, pcs[at]) : pa[at] * (float)u;
         }
     }
 }
-
 
 /* ------------------------------------------------------------------------ argmax */
 
