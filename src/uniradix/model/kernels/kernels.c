@@ -450,7 +450,7 @@ static inline void qfinish(float *v, const float *c, const float *sr, int64_t ng
 #else
 #define Q8_OFFSET 0
 #endif
-#define QROWS 4   /* activation rows a pass over a panel's codes takes */
+#define QROWS 8   /* activation rows a pass over a panel's codes takes */
 
 /* Line g of a panel block: 16 weight rows x 4 codes, a lane a row (8 bits with VNNI: xor 0x80). */
 static inline __m512i qline(const uint8_t *pb, int g, const int bits) {
@@ -636,13 +636,14 @@ static void qpanel(int mr, const int8_t *q, const float *d, const float *s, cons
                    const uint8_t *pc, const uint8_t *nxt, const float *a, const float *c, int bits, int64_t G,
                    const float *bias, int64_t n0, int nw, float *y, int64_t ldy) {
 #define B(BITS, GG, R) qpanel_bg(BITS, GG, R, q, d, s, o, K, pc, nxt, a, c, bias, n0, nw, y, ldy)
+#if QROWS == 8
+#define F(BITS, GG) switch (mr) {                                                       \
+    case 8: B(BITS, GG, 8); return; case 7: B(BITS, GG, 7); return; case 6: B(BITS, GG, 6); return;  \
+    case 5: B(BITS, GG, 5); return; case 4: B(BITS, GG, 4); return; case 3: B(BITS, GG, 3); return;  \
+    case 2: B(BITS, GG, 2); return; default: B(BITS, GG, 1); return; }
+#else
 #define F(BITS, GG) switch (mr) { case QROWS: B(BITS, GG, QROWS); return; default: B(BITS, GG, 1); return; }
-    if (QROWS > 2 && mr > 1 && mr < QROWS) {  /* 2 or 3 of 4 rows: one row at a time, the same operations */
-        for (int r = 0; r < mr; r++)
-            qpanel(1, q + r * K, d + r * (K / 32), s + r * (K / G), o + r * (K / G), K, pc, r ? NULL : nxt, a, c, bits,
-                   G, bias, n0, nw, y + r * ldy, ldy);
-        return;
-    }
+#endif
     if (G == 16) { F(6, 16) }
     switch (bits) {
     case 8: F(8, 32)
