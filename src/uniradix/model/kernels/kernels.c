@@ -1183,6 +1183,60 @@ static inline __attribute__((always_inline)) void dots4_n(
         }
 }
 
+/* Scores of up to 4 queries against eight keys b[0 .. 8) into out[k * MAXQ + q]: the
+   chains of dots4_n, four vectors a query, and the eight keys' lanes summed together by
+   one network of shuffles and adds that makes exactly lanes_sum's tree: pairs (lane 2m
+   and 2m + 1), then pairs of pairs, then the two halves of the eight (each addition the
+   same two operands as lanes_sum's; IEEE addition commutes). */
+static inline __attribute__((always_inline)) void dots8_n(
+        const int nq, const float *const *a, const char *const *b, int dt, int64_t d, float *out) {
+    __m512 acc[4][4];
+    for (int q = 0; q < nq; q++)
+        for (int p = 0; p < 4; p++) acc[q][p] = _mm512_setzero_ps();
+    const int64_t es = elem_size(dt);
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+        __m512 bv[4];
+        for (int p = 0; p < 4; p++) bv[p] = load8x2(b[2 * p] + i * es, b[2 * p + 1] + i * es, dt);
+        for (int q = 0; q < nq; q++) {
+            const __m512 qv = _mm512_broadcast_f32x8(_mm256_loadu_ps(a[q] + i));
+            for (int p = 0; p < 4; p++) acc[q][p] = _mm512_fmadd_ps(qv, bv[p], acc[q][p]);
+        }
+    }
+    for (int q = 0; q < nq; q++) {
+        /* acc[q][p]: key 2p's eight lanes in the lower half, key 2p + 1's in the upper;
+           each 128-bit quarter four of one key's lanes */
+        const __m512 ab = _mm512_add_ps(_mm512_shuffle_ps(acc[q][0], acc[q][1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_ps(acc[q][0], acc[q][1], _MM_SHUFFLE(3, 1, 3, 1)));
+        const __m512 cd = _mm512_add_ps(_mm512_shuffle_ps(acc[q][2], acc[q][3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_ps(acc[q][2], acc[q][3], _MM_SHUFFLE(3, 1, 3, 1)));
+        const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                                       _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+        /* x's quarters: keys 0, 2, 4, 6 lanes 0-3 | the same keys' lanes 4-7 | keys 1, 3, 5, 7
+           lanes 0-3 | their lanes 4-7 */
+        const __m512 y = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+        float t[16];
+        _mm512_storeu_ps(t, y);
+        for (int k = 0; k < 8; k++) {
+            float v = t[(k % 2) * 8 + k / 2];
+            for (int64_t u = i; u < d; u++) v = fmaf(a[q][u], load_elem(b[k], dt, u), v);
+            out[k * MAXQ + q] = v;
+        }
+    }
+}
+
+/* dots8_n over up to MAXQ queries, four at a time, the count a constant */
+static inline void dots8(const float *const *a, int nq, const char *const *b, int dt, int64_t d, float *out) {
+    for (int q0 = 0; q0 < nq; q0 += 4) {
+        switch (nq - q0) {
+        case 1: dots8_n(1, a + q0, b, dt, d, out + q0); break;
+        case 2: dots8_n(2, a + q0, b, dt, d, out + q0); break;
+        case 3: dots8_n(3, a + q0, b, dt, d, out + q0); break;
+        default: dots8_n(4, a + q0, b, dt, d, out + q0); break;
+        }
+    }
+}
+
 /* dots4_n with the query count a constant (its chains stay in registers) */
 static inline void dots4(const float *const *a, int nq, const char *const *b, int nb, int dt, int64_t d,
                          float *out) {
@@ -1264,6 +1318,16 @@ static inline __attribute__((always_inline)) void attend_block(
             const int gn = nq - g0 < MAXQ ? nq - g0 : MAXQ;
             int64_t j = t0;
 #if defined(UR_AVX512)
+            for (float t8[8 * MAXQ]; j + 8 <= t1; j += 8) {
+                const char *b[8];
+                for (int k = 0; k < 8; k++) {
+                    b[k] = kb + sl[j + k] * slot_bytes;
+                    if (g0 == 0 && j + k + KAHEAD < n) prefetch_row(kb + sl[j + k + KAHEAD] * slot_bytes, row_bytes);
+                }
+                dots8(qp + g0, gn, b, dt, d, t8);
+                for (int k = 0; k < 8; k++)
+                    for (int qi = 0; qi < gn; qi++) sc[(g0 + qi) * widest + j + k] = t8[k * MAXQ + qi] * scale;
+            }
             for (float t4[4 * MAXQ]; j + 2 <= t1; ) {
                 const int nb = j + 4 <= t1 ? 4 : 2;
                 const char *b[4];
