@@ -157,6 +157,40 @@ def test_the_page_shows_what_metrics_says_before_and_after_traffic(server):
     assert ">now<" not in dom and re.search(r"\d{1,2}:\d{2}:\d{2}", text)
 
 
+def pools_used(server) -> dict:
+    """Each pool's share in use, as /metrics says: {(tier prefix, component): share}."""
+    metrics = server.metrics()
+    out = {}
+    for c in [c["name"] for c in server.get("/dashboard/data")[1]["components"]]:
+        for prefix in ("", "host_"):
+            size = metrics.get(f'uniradix_{prefix}pool_pages{{component="{c}"}}')
+            if size:
+                free = metrics[f'uniradix_{prefix}pool_available_pages{{component="{c}"}}']
+                out[(prefix, c)] = (size - free) / size
+    return out
+
+
+@needs_browser
+def test_a_pool_nearly_full_is_marked(server):
+    """A pool from 90% used is marked "nearly full" (what it caches is evicted about as
+    fast as requests come), and no other: the page marks exactly the pools /metrics shows
+    at 90% or more. Distinct prompts fill the device pools with cached pages first."""
+    for i in range(60):
+        if any(share >= 0.9 for (prefix, _), share in pools_used(server).items() if prefix == ""):
+            break
+        body = {"input_ids": [(31 * i + 7 * j) % 250 + 1 for j in range(120)],
+                "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+        assert server.post("/generate", body)[0] == 200
+    settle(server)
+    used = pools_used(server)
+    full = sum(share >= 0.9 for share in used.values())
+    assert full >= 1, used
+    dom = browse(f"http://127.0.0.1:{server.port}/dashboard")
+    assert shown(dom).attrs["body"].get("data-loaded"), "the page's script did not render"
+    assert pools_used(server) == used   # nothing moved while the page loaded
+    assert dom.count('class="full-note"') == full, (used, re.findall(r"\d+%( nearly full)?", dom))
+
+
 @needs_browser
 def test_a_screenshot_renders(server, tmp_path):
     png = tmp_path / "dashboard.png"
