@@ -65,11 +65,12 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
 
     app.state.check_model = check_model
 
-    routes_admin.add_routes(app, jobs, read_body, engine_settings, installed_version())
-    routes_observe.add_routes(app, jobs, metrics, installed_version())
+    version = installed_version()
+    routes_admin.add_routes(app, jobs, read_body, engine_settings, version)
+    routes_observe.add_routes(app, jobs, metrics, version)
     routes_native.add_routes(app, jobs, read_body)
     routes_openai.add_routes(app, jobs, read_body)
-    routes_tools.add_routes(app, jobs, read_body, check_model, installed_version())
+    routes_tools.add_routes(app, jobs, read_body, check_model, version)
     return app
 
 

@@ -775,10 +775,6 @@ static void qlinear_amx(const int8_t *q, const float *d, const float *s, int64_t
 int ur_amx(int want) { (void)want; return 0; }
 #endif
 
-#ifndef AMX_ROWS
-#define AMX_ROWS 0
-#endif
-
 /* y [M, N] = x [M, K] @ W^T (+ bias) over W as stored (above): codes [panels][K / 32][panel
    block], a and c [panels][K / G][16] (c NULL: none). K a multiple of 32 and of G. */
 void ur_linear_q(const float *x, int64_t M, int64_t K, int64_t ldx, const void *codes, const float *a,
