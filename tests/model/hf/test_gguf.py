@@ -342,7 +342,8 @@ def test_stored_blocks_serve_exactly_near_the_float32_model(tiny):
     """`--quantization stored` on the kernels reads each quantized tensor in its blocks
     (no float copy) and multiplies with 8-bit activations, as llama.cpp: near the float32
     model that dequantized the file, and exact inside its own precision through the
-    engine's paged forward, chunked and with reuse."""
+    engine's paged forward, chunked and with reuse, in chunks of AMX's size and with
+    speculation too."""
     from engine_checks import check_exact, greedy
     from uniradix.engine import Engine
     from uniradix.model import kernels
@@ -362,6 +363,18 @@ def test_stored_blocks_serve_exactly_near_the_float32_model(tiny):
     eng.run([r2])
     check_exact(eng, r2)
     assert r2.metrics.cached_tokens > 0
+    eng.close()
+    # prefill chunks of 16 rows and more (AMX's tiles where the CPU has them) beside
+    # decode and verify steps of a few rows (VNNI), speculating: every row the same bits
+    from engine_checks import SPECULATE, speculating
+    eng = speculating(Engine(stored, page_size=4, chunked_prefill_size=32, **SPECULATE))
+    r3 = greedy(ids + ids[:10], 8)
+    eng.run([r3])
+    check_exact(eng, r3)
+    r4 = greedy(r3.input_ids + r3.output_ids + list(range(40, 60)), 8)
+    eng.run([r4])
+    check_exact(eng, r4)
+    assert r4.metrics.cached_tokens > 0 and eng.counters["spec_verify_steps"] > 0
     eng.close()
 
 
