@@ -155,7 +155,7 @@ def _unknown(parser: argparse.ArgumentParser, extra: list[str]) -> None:
     if par:
         parser.error(f"{par[0].split('=', 1)[0]}: one uniradix process serves one device and one copy of the "
                      "model; for several, run one `uniradix serve` per device behind SGLang's gateway (smg), "
-                     "sharing an L3 store (the README: *Several servers*)")
+                     "sharing an L3 store (docs/fleet.md)")
     parser.error(f"unrecognized arguments: {' '.join(extra)}")
 
 

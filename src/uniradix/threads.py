@@ -4,7 +4,7 @@ programs), else one. Applied once at start-up, before the model loads, and said 
 start-up. One is the default because a thread pool sized to every core only pays off on
 an otherwise idle machine: when anything else runs, OpenMP's threads wait for the one
 that lost its core at every matmul, and a step takes several times longer than on one
-thread (README, *Threads*, has the figures)."""
+thread (docs/engine.md, *Threads*, has the figures)."""
 from __future__ import annotations
 
 import os

@@ -270,7 +270,7 @@ def test_a_request_line_changed_under_the_replay_is_one_line(tmp_path, capsys):
 @pytest.mark.slow
 def test_a_million_line_log_in_bounded_memory(tmp_path):
     """A 10^6-line log (benchmarks/request_log_gen.py): hit-rate's peak RSS and
-    simulate's reading stay bounded (no timing verdict). The figures in the README come
+    simulate's reading stay bounded (no timing verdict). The figures in docs/tools.md come
     from benchmarks/log_tools.py."""
     import subprocess
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

@@ -58,7 +58,7 @@ LOW_ACCEPTANCE = 0.3
 #: the longest pause, in decode steps
 MAX_PAUSE = 64
 #: what one more row of a verify chunk costs, as a share of a one-row decode step (its
-#: compute; measured 0.07-0.16 a row at 4-16 rows on the README's CPUs and precisions):
+#: compute; measured 0.07-0.16 a row at 4-16 rows on the CPUs docs/benchmarks.md names and precisions):
 #: a draft is worth its row while the chance that it is kept is at least this
 ROW_COST = 0.1
 #: how much of a request's draft record each verify keeps (the rest is forgotten)

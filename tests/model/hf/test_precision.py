@@ -8,7 +8,7 @@ linear op: torch's kernels against the dequantized values, the shapes the kernel
 not take, rows computed alike however many come together (what keeps reuse exact), and
 torch's paths where the kernels are switched off (within a bound, not bit for bit). What the L3 namespace sees of a
 precision, the setting and the flag. The distance of each precision from transformers'
-float32 on the real Gemma 3 270M is measured by benchmarks/precision.py (README)."""
+float32 on the real Gemma 3 270M is measured by benchmarks/precision.py (docs/models.md)."""
 from __future__ import annotations
 
 import functools
@@ -327,7 +327,7 @@ def test_a_quantized_tiny_vocabulary_head_stays_exact(tiny, make_engine):
 
 
 def test_the_precision_benchmark_runs(tiny, tmp_path):
-    """benchmarks/precision.py (the README's precision table) in a tiny dry run."""
+    """benchmarks/precision.py (the precision table in docs/models.md) in a tiny dry run."""
     import importlib.util
 
     from harness import ROOT

@@ -8,8 +8,8 @@ The C source is compiled on first use for the CPU at hand (-march=native) with t
 system's C compiler and cached (build.py); it is called through ctypes (the call
 releases the GIL; its OpenMP threads are torch's own). Where no compiler is found, or
 `UNIRADIX_KERNELS=torch` asks for it, `available()` is False and the model's ops take
-torch's kernels, whose rows depend on the rows computed beside them (README, *Precisions
-and CPUs*)."""
+torch's kernels, whose rows depend on the rows computed beside them (docs/models.md,
+*Row-invariant kernels*)."""
 from __future__ import annotations
 
 import ctypes
