@@ -137,3 +137,22 @@ def test_speculative_servers_dry_run_compares_a_server_with_and_without(tmp_path
     for c in r["compared"].values():
         assert c["replies_same"] == c["replies"] == 4 and c["hit_rates_same"] and c["speedup"] > 0
     assert "replies same" in out.stdout
+
+
+def test_request_parsing_runs_every_body_through_the_routes_parsers(tmp_path):
+    """benchmarks/request_parsing.py: each case (the three routes' bodies, small and
+    large) goes through parse_json and the route's parse_* (a body they refused would end
+    the script), beside json.loads of the same bytes; the CPU and the tree measured are
+    named. The times themselves are the benchmark's to print, not a test's to judge."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "request_parsing.py"), "--batches", "2", "--json"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    assert Path(data["protocol"]).resolve() == (ROOT / "src" / "uniradix" / "server" / "protocol.py").resolve()
+    assert data["cpu"] and f"CPU: {data['cpu']}" in out.stdout
+    kinds = {case.split(",")[0].split()[0] for case in data["results"]}
+    assert kinds == {"generate", "completion", "chat"} and len(data["results"]) == 8
+    for case, r in data["results"].items():
+        assert r["bytes"] > 0 and r["json_loads_us"] > 0 and r["parse_us"] > 0 and r["json_and_parse_us"] > 0, case
+        assert case in out.stdout

@@ -239,6 +239,9 @@ def test_api_key_and_queue_limit():
             assert s.get(path)[0] == 401, path
         code, page, _ = s.get("/dashboard")  # the page carries no data: its script asks for the key
         assert code == 200 and "API key" in page
+        code, schema, _ = s.get("/openapi.json")  # the schema carries no data either; its page sends the key
+        assert code == 200 and schema["security"] == [{"bearer": []}] and "/generate" in schema["paths"]
+        assert s.get("/docs")[0] == 200
         code, out, _ = s.post("/generate", GOOD, headers={"Authorization": "Bearer wrong"})
         assert code == 401
         auth = {"Authorization": "Bearer sekrit"}

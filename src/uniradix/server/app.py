@@ -2,7 +2,9 @@
 and the served-model check every route group shares. The routes are the groups':
 routes_admin.py (health, sessions, cache flush, server and model info, audit),
 routes_observe.py (metrics, dashboard, the tree's shape), routes_native.py (SGLang's
-/generate), routes_openai.py (OpenAI's API), routes_tools.py (tokenize, version).
+/generate), routes_openai.py (OpenAI's API), routes_tools.py (tokenize, version). The
+OpenAPI schema (/openapi.json, and FastAPI's page of it, /docs) declares the generation
+routes' bodies by their models (bodies.py).
 
 Every error is a JSON body `{"error": {"message", "type", "code"}}` with a 4xx (5xx only
 for a fault of the server's own), so a bad request never kills the server."""
@@ -12,10 +14,12 @@ import asyncio
 import hmac
 import logging
 import time
+import warnings
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -23,8 +27,9 @@ from starlette.requests import ClientDisconnect
 from .. import installed_version
 from ..redact import redact
 from . import routes_admin, routes_native, routes_observe, routes_openai, routes_tools
+from .bodies import openapi_schemas
 from .connections import CLOSED_BY_SERVER
-from .errors import error
+from .errors import ERROR_SCHEMA, error
 from .jobs import Jobs
 from .metrics import ServerMetrics
 from .offload import off_loop
@@ -34,14 +39,16 @@ from .settings import ServerConfig
 
 log = logging.getLogger("uniradix.server")
 
-#: routes open without the API key: liveness, and the dashboard's page, which carries no
-#: data (its script asks for the key to read /dashboard/data)
-OPEN_ROUTES = ("/health", "/dashboard")
+#: routes open without the API key: liveness, and the pages that carry no data: the
+#: dashboard's (its script asks for the key to read /dashboard/data), the OpenAPI schema
+#: and FastAPI's page of it (whose requests send the key once it is given: `bearer`)
+OPEN_ROUTES = ("/health", "/dashboard", "/docs", "/openapi.json")
 
 
 def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics, model_name: str,
               engine_settings: dict) -> FastAPI:
-    app = FastAPI(title="uniradix", docs_url=None, redoc_url=None, openapi_url=None)
+    version = installed_version()
+    app = FastAPI(title="uniradix", version=version, docs_url="/docs", redoc_url=None, openapi_url="/openapi.json")
     app.state.config = config
     app.state.model_name = model_name
     app.state.served_names = tuple(config.served_model_name or (model_name,))
@@ -65,13 +72,42 @@ def build_app(runner: EngineRunner, config: ServerConfig, metrics: ServerMetrics
 
     app.state.check_model = check_model
 
-    version = installed_version()
     routes_admin.add_routes(app, jobs, read_body, engine_settings, version)
     routes_observe.add_routes(app, jobs, metrics, version)
     routes_native.add_routes(app, jobs, read_body)
     routes_openai.add_routes(app, jobs, read_body)
     routes_tools.add_routes(app, jobs, read_body, check_model, version)
+    app.openapi = lambda: openapi(app)
     return app
+
+
+def openapi(app: FastAPI) -> dict:
+    """FastAPI's schema of the routes, built once, with what it cannot see: the bodies
+    the generation routes read and validate themselves (bodies.py: their `openapi_extra`
+    names them), and the errors as they are answered (400 with `Error`, not FastAPI's 422)."""
+    if app.openapi_schema is None:
+        with warnings.catch_warnings():  # its duplicate operation ids are made unique below
+            warnings.filterwarnings("ignore", "Duplicate Operation ID", UserWarning)
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        schemas.update(openapi_schemas(), Error=ERROR_SCHEMA)
+        seen = set()
+        for method, operation in ((m, op) for path in schema.get("paths", {}).values() for m, op in path.items()):
+            if operation.get("operationId") in seen:  # one route of several methods: FastAPI names each alike
+                operation["operationId"] = f"{operation['operationId']}_{method}"
+            seen.add(operation.get("operationId"))
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            responses["400"] = {"description": "A bad request: the message names the field",
+                                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        if app.state.config.api_key:
+            schemas_security = schema["components"].setdefault("securitySchemes", {})
+            schemas_security["bearer"] = {"type": "http", "scheme": "bearer", "description": "--api-key"}
+            schema["security"] = [{"bearer": []}]
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:

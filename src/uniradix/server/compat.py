@@ -74,7 +74,10 @@ def neutral(value, allowed) -> bool:
     items is (a batch's per-prompt form, `[null, null]`). True is not 1 here, nor False 0."""
     if isinstance(value, list) and value:
         return all(neutral(v, allowed) for v in value)
-    return any(value == a and isinstance(value, bool) == isinstance(a, bool) for a in allowed)
+    for a in allowed:
+        if value == a and isinstance(value, bool) == isinstance(a, bool):
+            return True
+    return False
 
 
 class UnknownFields:

@@ -11,3 +11,11 @@ KINDS = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError
 def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": KINDS.get(status, "InternalServerError"),
                                    "code": status}}, status_code=status, headers=headers)
+
+
+#: the error body's JSON schema (the OpenAPI document's `Error`)
+ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "code"],
+    "properties": {"message": {"type": "string", "description": "what is wrong, naming the field"},
+                   "type": {"type": "string", "enum": sorted(set(KINDS.values()) | {"InternalServerError"})},
+                   "code": {"type": "integer", "description": "the HTTP status"}}}}}

@@ -9,6 +9,7 @@ import json
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
+from .bodies import GenerateRequest, request_body
 from .jobs import Jobs, cached_split, check_outcome, finish_reason, new_id
 from .logprobs import sglang_meta
 from .offload import json_off_loop, off_loop
@@ -45,7 +46,7 @@ def result(job: Job, out: TextOut, done: bool = True, index: int | None = None) 
 def add_routes(app, jobs: Jobs, read_body) -> None:
     max_batch = app.state.config.max_batch_prompts
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=request_body(GenerateRequest))
     async def generate(request: HTTPRequest):
         body = await read_body(request)
         batch, batched, stream = await off_loop(parse_generate, body, jobs.eos(), max_batch)

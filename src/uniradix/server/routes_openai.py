@@ -12,6 +12,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
 from ..engine import Request
+from .bodies import ChatRequest, CompletionRequest, request_body
 from .jobs import Jobs, check_outcome, new_id, openai_finish, usage
 from .logprobs import chat_logprobs, completion_logprobs
 from .offload import json_off_loop, off_loop
@@ -51,14 +52,14 @@ def add_routes(app, jobs: Jobs, read_body) -> None:
                                             "owned_by": OWNED_BY, "max_model_len": jobs.engine.context_length}
                                            for n in app.state.served_names]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: HTTPRequest):
         body = await read_body(request)
         batch, stream, include_usage = await off_loop(parse_completion, body, jobs.eos(), max_batch)
         app.state.check_model(body)
         return await _respond(request, jobs, batch, stream, include_usage, "text_completion", name, COMPLETION_NAMES)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatRequest))
     async def chat(request: HTTPRequest):
         body = await read_body(request)
         messages, sampling, stream, include_usage, sid, salt, lp = await off_loop(parse_chat, body, jobs.eos())
