@@ -45,16 +45,16 @@ import io
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
-import threading
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "server"))
+from server_proc import ServerProc  # noqa: E402  (the tests' one way to start and stop a server)
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "peers" / "README.md"]
@@ -219,9 +219,8 @@ class Shell:
 
     def __init__(self, tmp: Path, cwd: Path | None = None):
         self.tmp, self.cwd = tmp, cwd or tmp
-        self.server: subprocess.Popen | None = None
+        self.server: ServerProc | None = None
         self.port: int | None = None
-        self.server_lines: list[str] = []
         self.env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # as a user's shell: the default
 
     # page <-> here
@@ -299,33 +298,13 @@ class Shell:
     # the server
     def start(self, flags: list[str]) -> None:
         self.stop()
-        self.server_lines = []
-        self.server = subprocess.Popen([sys.executable, "-m", "uniradix.cli", "serve", *flags, "--port", "0"],
-                                       cwd=self.cwd, env=self.env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + HANG_S
-        while True:
-            line = self.server.stdout.readline()
-            if not line:
-                raise RuntimeError("uniradix serve exited at start-up:\n" + "".join(self.server_lines[-30:]))
-            self.server_lines.append(line)
-            m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-            if m:
-                self.port = int(m.group(1))
-                break
-            assert time.monotonic() < deadline, "uniradix serve did not start"
-        threading.Thread(target=lambda s=self.server, out=self.server_lines: out.extend(s.stdout),
-                         daemon=True).start()
+        flags = [f for i, f in enumerate(flags) if f != "--port" and (i == 0 or flags[i - 1] != "--port")]
+        self.server = ServerProc(*flags, environ=self.env, cwd=self.cwd)  # on a free port: the page's is mapped
+        self.port = self.server.port
 
     def stop(self) -> None:
         if self.server is not None:
-            if self.server.poll() is None:
-                os.kill(self.server.pid, signal.SIGTERM)
-                try:
-                    self.server.wait(HANG_S)
-                except subprocess.TimeoutExpired:
-                    os.kill(self.server.pid, signal.SIGKILL)
-                    self.server.wait()
+            self.server.stop()
             self.server = None
 
 

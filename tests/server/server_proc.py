@@ -26,12 +26,14 @@ class ServerProc:
     name = "uniradix serve"
 
     def __init__(self, *flags: str, env: dict | None = None, startup_s: float = HANG_S,
-                 nofile: int | None = None) -> None:
+                 nofile: int | None = None, environ: dict | None = None, cwd=None) -> None:
+        """`env`: added to this process's environment, with one compute thread; `environ`:
+        the whole environment instead (a user's shell, as the docs' examples run)."""
         cmd = [sys.executable, "-m", "uniradix.cli", "serve", "--port", "0", *flags]
-        e = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+        e = environ if environ is not None else dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
         limit = None if nofile is None else (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=e,
-                                     preexec_fn=limit)
+                                     preexec_fn=limit, cwd=cwd)
         self.lines: list[str] = []
         self.port = None
         deadline = time.monotonic() + startup_s

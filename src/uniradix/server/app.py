@@ -103,8 +103,8 @@ def openapi(app: FastAPI) -> dict:
             responses["400"] = {"description": "A bad request: the message names the field",
                                 "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
         if app.state.config.api_key:
-            schemas_security = schema["components"].setdefault("securitySchemes", {})
-            schemas_security["bearer"] = {"type": "http", "scheme": "bearer", "description": "--api-key"}
+            schema["components"].setdefault("securitySchemes", {})["bearer"] = {
+                "type": "http", "scheme": "bearer", "description": "--api-key"}
             schema["security"] = [{"bearer": []}]
         app.openapi_schema = schema
     return app.openapi_schema

@@ -128,7 +128,7 @@ def _enum(allowed) -> list:
     """A schema's `enum` of the allowed values (0 and 0.0 are one value in JSON; false and 0 are not)."""
     out = []
     for a in allowed:
-        if not any(a == b and isinstance(a, bool) == isinstance(b, bool) for b in out):
+        if not neutral(a, out):  # compat's equality: 0 == 0.0, false is not 0
             out.append(a)
     return out
 
