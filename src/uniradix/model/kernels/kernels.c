@@ -739,9 +739,13 @@ static inline __attribute__((always_inline)) void qpanel_amx_g(
 
 /* The product over AMX: panels split between threads; a 4- or 5-bit panel's codes
    widened to a byte each once, then every 16 rows of activations against it. */
-static void qlinear_amx(const int8_t *q, const float *d, const float *s, int64_t M, int64_t K, const uint8_t *codes,
-                        const float *a, const float *c, int bits, int64_t G, int64_t N, const float *bias, float *y,
-                        int64_t ldy, int nt) {
+static void qpanel(int mr, const int8_t *q, const float *d, const float *s, const int32_t *o, int64_t K,
+                   const uint8_t *pc, const uint8_t *nxt, const float *a, const float *c, int bits, int64_t G,
+                   const float *bias, int64_t n0, int nw, float *y, int64_t ldy);
+
+static void qlinear_amx(const int8_t *q, const float *d, const float *s, const int32_t *o, int64_t M, int64_t K,
+                        const uint8_t *codes, const float *a, const float *c, int bits, int64_t G, int64_t N,
+                        const float *bias, float *y, int64_t ldy, int nt) {
     const int64_t nb = K / 32, ng = K / G, P = (N + QP - 1) / QP, pbb = qpanel_block(bits);
 #pragma omp parallel num_threads(nt) if (nt > 1 && P > 1)
     {
@@ -759,6 +763,14 @@ static void qlinear_amx(const int8_t *q, const float *d, const float *s, int64_t
             const int nw = N - p * QP >= QP ? QP : (int)(N - p * QP);
             for (int64_t m = 0; m < M; m += 16) {
                 const int mr = M - m >= 16 ? 16 : (int)(M - m);
+                if (mr <= QROWS / 2) {
+                    /* a last block of a few rows (a verify step of 17: 16 and 1) takes the vector
+                       path's one pass over the panel, which costs less than a whole tile product
+                       (the head's 17 rows: 0.8x the time); the same bits either way */
+                    qpanel(mr, q + m * K, d + m * nb, s + m * ng, o + m * ng, K, codes + p * nb * pbb, NULL,
+                           a + p * ng * QP, c ? c + p * ng * QP : NULL, bits, G, bias, p * QP, nw, y + m * ldy, ldy);
+                    continue;
+                }
 #define A(B8, GG) qpanel_amx_g(B8, GG, mr, q + m * K, d + m * nb, s + m * ng, K, pc, a + p * ng * QP, \
                                c ? c + p * ng * QP : NULL, bias, p * QP, nw, y + m * ldy, ldy)
                 if (G == 16) A(0, 16);
@@ -789,7 +801,7 @@ void ur_linear_q(const float *x, int64_t M, int64_t K, int64_t ldx, const void *
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, G, q + m * K, d + m * nb, s + m * ng, o + m * ng);
 #if defined(UR_AMX)
     if (M >= AMX_ROWS && ur_amx(-1)) {
-        qlinear_amx(q, d, s, M, K, (const uint8_t *)codes, a, c, bits, G, N, bias, y, ldy, nt);
+        qlinear_amx(q, d, s, o, M, K, (const uint8_t *)codes, a, c, bits, G, N, bias, y, ldy, nt);
         free(q); free(d); free(s); free(o);
         return;
     }
