@@ -39,6 +39,7 @@ import time
 import torch
 
 import memory_floor
+from uniradix.config import SpeculativeConfig
 from serve_vs_peers import Workload
 
 MODES = {"off": {}, "ngram": {"speculative_algorithm": "NGRAM"}, "suffix": {"speculative_algorithm": "SUFFIX"},
@@ -158,7 +159,8 @@ def main() -> None:
     p.add_argument("--conversations", type=int, default=2, help="conversations a workload, one after another")
     p.add_argument("--modes", default=",".join(MODES), help=f"from {', '.join(MODES)} (off always runs)")
     p.add_argument("--output-tokens", type=int, default=96)
-    p.add_argument("--draft-tokens", type=int, default=8, help="--speculative-num-draft-tokens")
+    p.add_argument("--draft-tokens", type=int, default=SpeculativeConfig().speculative_num_draft_tokens,
+                   help="--speculative-num-draft-tokens (default: the engine's)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)

@@ -48,6 +48,7 @@ import tempfile
 import time
 
 import memory_floor
+from uniradix.config import SpeculativeConfig
 import serve_vs_peers as peers
 from long_context import reply_figures, stream_chat
 from speculative import WORKLOADS, turns
@@ -147,7 +148,8 @@ def main(argv=None) -> int:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--conversations", type=int, default=2)
     ap.add_argument("--output-tokens", type=int, default=64)
-    ap.add_argument("--draft-tokens", type=int, default=8)
+    ap.add_argument("--draft-tokens", type=int, default=SpeculativeConfig().speculative_num_draft_tokens,
+                    help="drafts a step, at most, for every server (default: uniradix's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gguf", default=None, help="the Q4_K_M file (default: the pip package's)")
     ap.add_argument("--context", type=int, default=8192, help="vLLM's --max-model-len, llama.cpp's --n_ctx")

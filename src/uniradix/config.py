@@ -370,9 +370,9 @@ class SpeculativeConfig(Settings):
               "matches at least 4 tokens, else the second; default off",
         choices=(None, *SPECULATIVE_ALGORITHMS))
     speculative_num_draft_tokens: int = setting(
-        8, "draft tokens a request verifies in one step, at most (fewer while its drafts are being rejected: "
-           "it drafts while the chance that the next draft is kept pays for its row; and no more than the "
-           "reply has left)", check=count(), needs=("spec",))
+        16, "draft tokens a request verifies in one step, at most (fewer while its drafts are being rejected: "
+            "it drafts while the chance that the next draft is kept pays for its row; fewer where the pools "
+            "lack free room for them; and no more than the reply has left)", check=count(), needs=("spec",))
     speculative_ngram_min_match_window_size: int = setting(
         1, "the fewest of a request's last tokens that must have occurred before for a draft", check=count(),
         needs=("spec",))

@@ -14,7 +14,8 @@ import random
 import pytest
 import torch
 
-from engine_checks import PAGE_SIZES, PRESET_NAMES, Engine, Request, SamplingParams, check_exact, run_checked
+from engine_checks import (PAGE_SIZES, PRESET_NAMES, Engine, GreedyDrafter, Request, SamplingParams, check_exact,
+                           run_checked)
 from uniradix.config import EngineConfig
 from uniradix.engine.speculation import ROW_COST, draft_bar, Drafting, PromptLookup
 
@@ -320,6 +321,37 @@ def test_stops_and_the_length_cut_inside_a_chunk(make_engine):
     for x, y in zip(a[0], b[0]):
         assert (y.output_ids, y.finish_reason, y.matched_stop) == (x.output_ids, x.finish_reason, x.matched_stop)
     assert on.counters["spec_accepted_tokens"] > 0
+
+
+def test_drafts_shrink_to_the_room_the_free_handles_have(make_engine):
+    """A recurrent model's verify needs a free state slot for every draft position (drafts
+    never evict): where the pool has room for some of a step's drafts but not all, the
+    step verifies the longest half that fits instead of none, and counts the cut in
+    spec_no_room; the reply and every logits row are the ones speculation off gives."""
+    prompt = [random.Random(9).randrange(3, 250) for _ in range(30)]
+    replies = {}
+    for slots, k in ((6, 8), (64, 8), (3, 8)):
+        eng = make_engine("qwen3-next-like", page_size=4, speculative_algorithm="NGRAM",
+                          speculative_num_draft_tokens=k, max_mamba_cache_size=slots)
+        eng._drafts = GreedyDrafter(eng, k)
+        asked_got, room_for = [], eng._room_for
+
+        def watched(st, drafts):
+            got = room_for(st, drafts)
+            asked_got.append((len(drafts), len(got[0])))
+            return got
+        eng._room_for = watched
+        r = Request(input_ids=prompt, sampling=SamplingParams(max_new_tokens=24), record_logits=True)
+        eng.run([r])
+        check_exact(eng, r)
+        replies[slots] = (r.output_ids, dict(eng.counters), asked_got)
+    (tight, cut), (roomy, whole), (none, _) = (replies[n][1:] for n in (6, 64, 3))
+    assert replies[6][0] == replies[64][0] == replies[3][0]
+    assert roomy["spec_no_room"] == 0 and all(a == g for a, g in whole)
+    # cut, not dropped: the tight pool verified the drafts that fit
+    assert tight["spec_no_room"] > 0 and any(0 < g < a for a, g in cut)
+    assert tight["spec_accepted_tokens"] > 0 and all(g in (a, a // 2, a // 4, a // 8, 0) for a, g in cut)
+    assert none["spec_verify_steps"] == 0 and none["spec_no_room"] > 0  # no free slot at all: no drafts
 
 
 def test_sessions_and_aborts_with_speculation(make_engine):

@@ -36,7 +36,8 @@ at a rejected one, both decaying), which makes a the chance that a draft is kept
 the one before it was: it drafts while a^d is at least ROW_COST (more in a batch, where
 each row buys less of the step: `draft_bar`), so a request that keeps what it drafts (a
 file re-emitted, a document quoted) drafts long and one that does not drafts short, at
-most --speculative-num-draft-tokens and the tokens the reply has left. A request whose
+most --speculative-num-draft-tokens, the tokens the reply has left and what the free
+handles hold (`_room_for`: the longest half that fits). A request whose
 drafts keep being rejected stops drafting for a while (a pause that doubles each time),
 so plain chat is not slowed by speculation."""
 from __future__ import annotations
@@ -185,11 +186,7 @@ class Speculation:
                 else:
                     drafts = self._drafts(st)
             if drafts:
-                try:
-                    captures = self.cache.draft(st, drafts)
-                except CacheFull:
-                    self.counters["spec_no_room"] += 1
-                    drafts = []
+                drafts, captures = self._room_for(st, drafts)
                 if drafts:
                     st.spec.pending = drafts
                     end = inp.start + 1 + len(drafts)
@@ -197,6 +194,19 @@ class Speculation:
                                      {**captures, **st.captures(inp.start, end)}, logit_rows=1 + len(drafts))
             out.append((st, inp))
         return out
+
+    def _room_for(self, st: RequestState, drafts: list[int]) -> tuple[list[int], dict]:
+        """The drafts the free handles have room for, and their captures: all of them, else
+        the longest half that fits (a draft's page, and its recurrent state's scratch slot
+        where the model has one, come from free handles only), else none. Each cut counts
+        in spec_no_room."""
+        while drafts:
+            try:
+                return drafts, self.cache.draft(st, drafts)
+            except CacheFull:
+                self.counters["spec_no_room"] += 1
+                drafts = drafts[:len(drafts) // 2]
+        return [], {}
 
     def _drafts(self, st: RequestState) -> list[int]:
         """The drafts of a decoding request this step, at most what its reply has room
