@@ -61,7 +61,7 @@ def test_packed_blocks_multiply_row_invariantly_within_the_activations_rounding(
     assert torch.equal(packed.dense(), ref)
     ids = torch.tensor([[3, 44], [0, 3]])
     assert torch.equal(packed[ids], ref[ids])                                  # a lookup reads the blocks
-    x = torch.randn(37, k)
+    x = torch.randn(70, k)   # 70 rows: AMX's blocks of 16 outside the panels (64 rows on), a short last block
     x[5] = 0.0                                                                 # a row of zeros: no scale to divide by
     bias = torch.randn(n)
     y = kernels.linear_q(x, packed, bias)
@@ -71,7 +71,7 @@ def test_packed_blocks_multiply_row_invariantly_within_the_activations_rounding(
     assert ((y.double() - exact).abs() <= bound + 1e-4 * exact.abs() + 1e-6).all()
     assert torch.equal(y[5], bias)
     for m in (1, 2, 3, 5, 7, 16, 17, 20):   # a row's values whatever rows are computed beside it (17, 20: a few past a tile)
-        assert torch.equal(torch.cat([kernels.linear_q(x[i:i + m], packed, bias) for i in range(0, 37, m)]), y)
+        assert torch.equal(torch.cat([kernels.linear_q(x[i:i + m], packed, bias) for i in range(0, 70, m)]), y)
     with kernels.no_amx():                                                     # with AMX's tiles (16 rows on) or not
         assert torch.equal(kernels.linear_q(x, packed, bias), y)
     with torch.no_grad():
