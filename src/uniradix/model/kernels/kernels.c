@@ -452,6 +452,23 @@ static inline void qfinish(float *v, const float *c, const float *sr, int64_t ng
 #endif
 #define QROWS 8   /* activation rows a pass over a panel's codes takes */
 
+/* qfinish's c term added to rows [0, mr) of acc (each acc[r] + the chain of fmas of c_g
+   and row r's group sums, in group order: qfinish's arithmetic), up to four rows' chains
+   side by side in registers (one row's chain after another's cost a third of an AMX
+   product's time; qpanel_amx_g writes the same out). */
+static inline __attribute__((always_inline)) void qterm_c(__m512 *acc, const int mr, const float *c, const float *s,
+                                                          int64_t ng) {
+    for (int r0 = 0; r0 < mr; r0 += 4) {
+        const int rn = mr - r0 < 4 ? mr - r0 : 4;
+        __m512 cs[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t g = 0; g < ng; g++) {
+            const __m512 cg = _mm512_loadu_ps(c + g * QP);
+            for (int r = 0; r < rn; r++) cs[r] = _mm512_fmadd_ps(cg, _mm512_set1_ps(s[(r0 + r) * ng + g]), cs[r]);
+        }
+        for (int r = 0; r < rn; r++) acc[r0 + r] = _mm512_add_ps(acc[r0 + r], cs[r]);
+    }
+}
+
 /* Line g of a panel block: 16 weight rows x 4 codes, a lane a row (8 bits with VNNI: xor 0x80). */
 static inline __m512i qline(const uint8_t *pb, int g, const int bits) {
     if (bits == 8 || bits == 6) {
@@ -525,10 +542,11 @@ static inline __attribute__((always_inline)) void qpanel_bg(
             acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0[r], s1[r])), qscale(ab, d[r * nb + b]),
                                      acc[r]);
     }
+    if (c) qterm_c(acc, mr, c, s, ng);
     for (int r = 0; r < mr; r++) {
         float v[QP];
         _mm512_storeu_ps(v, acc[r]);
-        qfinish(v, c, s + r * ng, ng, bias, n0, nw, y + r * ldy);
+        qfinish(v, NULL, s + r * ng, ng, bias, n0, nw, y + r * ldy);
     }
 }
 
@@ -730,8 +748,7 @@ static inline __attribute__((always_inline)) void qpanel_amx_g(
         }
     }
 #undef PRODUCT
-    if (c) {   /* qfinish's c term, four rows' chains side by side in registers (one row's
-                  chain after another cost a third of the product's time) */
+    if (c) {   /* qterm_c's arithmetic, written out: here the helper cost this loop its registers */
         for (int r0 = 0; r0 < mr; r0 += 4) {
             __m512 cs[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
             for (int64_t g = 0; g < ng; g++) {
@@ -843,7 +860,8 @@ void ur_linear_q(const float *x, int64_t M, int64_t K, int64_t ldx, const void *
     const int64_t Mp = (M + 15) / 16 * 16;   /* rows padded for AMX's 16-row tiles: zeros, d 0 */
     int8_t *q = calloc((size_t)(Mp * K + 64), 1);
     float *d = calloc((size_t)(Mp * nb), sizeof(float));
-    float *s = malloc(sizeof(float) * (size_t)(Mp * ng));
+    float *s = calloc((size_t)(Mp * ng), sizeof(float));   /* padding rows' sums 0: qpanel_amx_g reads them
+                                                              (garbage there was slow: denormal operands) */
     int32_t *o = malloc(sizeof(int32_t) * (size_t)(Mp * ng));
     for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, G, q + m * K, d + m * nb, s + m * ng, o + m * ng);
 #if defined(UR_AMX)
