@@ -40,6 +40,7 @@ def test_replies_are_the_cache_off_engines_and_say_their_drafts(server, oracle):
     assert m["uniradix_spec_decode_num_accepted_tokens_total"] >= again["meta_info"]["spec_accepted_tokens"]
     assert sum(v for k, v in m.items() if k.startswith("uniradix_spec_decode_num_accepted_tokens_per_pos_total")) \
         == m["uniradix_spec_decode_num_accepted_tokens_total"]
+    assert m["uniradix_spec_decode_drafts_cut_total"] == 0  # the pools had room for every draft
 
 
 def test_a_stream_carries_what_a_step_kept_and_openai_completions_work(server, oracle):

@@ -198,8 +198,8 @@ class Speculation:
     def _room_for(self, st: RequestState, drafts: list[int]) -> tuple[list[int], dict]:
         """The drafts the free handles have room for, and their captures: all of them, else
         the longest half that fits (a draft's page, and its recurrent state's scratch slot
-        where the model has one, come from free handles only), else none. Each cut counts
-        in spec_no_room."""
+        where the model has one, come from free handles only), else none. Each halving
+        counts in spec_no_room (/metrics: spec_decode_drafts_cut)."""
         while drafts:
             try:
                 return drafts, self.cache.draft(st, drafts)

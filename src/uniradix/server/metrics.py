@@ -36,6 +36,8 @@ ENGINE_COUNTERS = {
                                                     "in one step)"),
     "spec_draft_tokens": ("spec_decode_num_draft_tokens", "draft tokens verified"),
     "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "draft tokens kept (the model's own choice)"),
+    "spec_no_room": ("spec_decode_drafts_cut", "times a step's drafts were halved for want of free pages or "
+                                                "recurrent state slots (drafts never evict)"),
 }
 STORAGE_COUNTERS = {
     "storage_loads": ("storage_hits", "L3 reads that found their objects"),
