@@ -84,3 +84,26 @@ def test_packed_blocks_multiply_row_invariantly_within_the_activations_rounding(
     assert kernels.linear_q(x.bfloat16(), packed).dtype is torch.bfloat16
     with pytest.raises(ValueError, match="features"):
         kernels.linear_q(torch.randn(2, k + 1), packed)
+
+
+@needs_kernels
+@pytest.mark.parametrize("name", ["Q4_K", "Q5_0", "Q8_0"])
+def test_a_wide_weight_multiplies_the_same_in_sweeps_of_panels(name):
+    """Over AMX a prefill chunk takes the panels in sweeps of about 1 MB of codes (a large
+    weight is read from memory once): 2,085 weight rows (several sweeps, the last panel
+    padded) give each row the values it has alone, with one thread or two, with the tiles
+    or without."""
+    n, k = 16 * 130 + 5, 512
+    packed = kernels.PackedQuant(decode(name, random_blocks(name, n, k, seed=2), n, k), name)
+    x = torch.randn(70, k)
+    y = kernels.linear_q(x, packed)
+    assert torch.equal(torch.cat([kernels.linear_q(x[i:i + 16], packed) for i in range(0, 70, 16)]), y)
+    assert torch.equal(kernels.linear_q(x[3:4], packed)[0], y[3])
+    with kernels.no_amx():
+        assert torch.equal(kernels.linear_q(x, packed), y)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert torch.equal(kernels.linear_q(x, packed), y)
+    finally:
+        torch.set_num_threads(threads)

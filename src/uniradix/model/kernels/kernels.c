@@ -771,6 +771,7 @@ static void qpanel(int mr, const int8_t *q, const float *d, const float *s, cons
                    const float *bias, int64_t n0, int nw, float *y, int64_t ldy);
 
 #define AMX_ROWS_OUTER 64   /* rows from which the 16-row blocks go outside the panels (below) */
+#define AMX_SWEEP_BYTES (1 << 20)   /* codes a sweep of panels holds (widened): in the second-level cache */
 
 /* Rows [m, m + mr) against panel p, whose codes (a byte each where widened) are at pc. A
    last block of a few rows (a verify step of 17: 16 and 1) takes the vector path's one
@@ -796,35 +797,43 @@ static inline void amx_block(const int8_t *q, const float *d, const float *s, co
 
 /* The product over AMX, panels split between threads. Few rows (a verify step, a short
    chunk): each panel's 4- or 5-bit codes widened to a byte each, then every 16 rows of
-   activations against it. A prefill chunk (AMX_ROWS_OUTER rows or more): every panel
-   widened once, then each 16 rows against every panel, so that the rows' codes stay in
-   the first-level cache while the panels stream by (0.75-0.85x the time at 256 rows). */
+   activations against it. A prefill chunk (AMX_ROWS_OUTER rows or more): the panels in
+   sweeps of about AMX_SWEEP_BYTES of codes, each sweep's panels widened once, then each
+   16 rows against every panel of the sweep, so that the rows' codes stay in the
+   first-level cache while the sweep's panels stream by from the second (0.75-0.85x the
+   time at 256 rows), and a large weight is still read from memory once. */
 static void qlinear_amx(const int8_t *q, const float *d, const float *s, const int32_t *o, int64_t M, int64_t K,
                         const uint8_t *codes, const float *a, const float *c, int bits, int64_t G, int64_t N,
                         const float *bias, float *y, int64_t ldy, int nt) {
     const int64_t nb = K / 32, P = (N + QP - 1) / QP, pbb = qpanel_block(bits);
     const int widen = bits == 4 || bits == 5;
-    uint8_t *all = M >= AMX_ROWS_OUTER && widen ? aligned_alloc(64, (size_t)(P * nb * 512)) : NULL;
-    const int outer = M >= AMX_ROWS_OUTER && (all || !widen);   /* no room to widen them all: panel by panel */
+    int64_t sweep = AMX_SWEEP_BYTES / (nb * 512);   /* panels a sweep takes */
+    sweep = sweep < 1 ? 1 : sweep > P ? P : sweep;
+    uint8_t *all = M >= AMX_ROWS_OUTER && widen ? aligned_alloc(64, (size_t)(sweep * nb * 512)) : NULL;
+    const int outer = M >= AMX_ROWS_OUTER && (all || !widen);   /* no room to widen a sweep: panel by panel */
 #pragma omp parallel num_threads(nt) if (nt > 1 && P > 1)
     {
         amx_configure(G);
         if (outer) {
-            if (all) {
-#pragma omp for schedule(static)
-                for (int64_t p = 0; p < P; p++)
-                    for (int64_t b = 0; b < nb; b++)
-                        for (int g = 0; g < 8; g++)
-                            _mm512_store_si512((void *)(all + (p * nb + b) * 512 + g * 64),
-                                               qline(codes + p * nb * pbb + b * pbb, g, bits));
-            }
             const int64_t stride = all ? nb * 512 : nb * pbb;
-            const uint8_t *base = all ? all : codes;
-            for (int64_t m = 0; m < M; m += 16) {
-                const int mr = M - m >= 16 ? 16 : (int)(M - m);
+            for (int64_t p0 = 0; p0 < P; p0 += sweep) {
+                const int64_t p1 = p0 + sweep < P ? p0 + sweep : P;
+                if (all) {
+#pragma omp for schedule(static)
+                    for (int64_t p = p0; p < p1; p++)
+                        for (int64_t b = 0; b < nb; b++)
+                            for (int g = 0; g < 8; g++)
+                                _mm512_store_si512((void *)(all + ((p - p0) * nb + b) * 512 + g * 64),
+                                                   qline(codes + p * nb * pbb + b * pbb, g, bits));
+                }
+                for (int64_t m = 0; m < M; m += 16) {
+                    const int mr = M - m >= 16 ? 16 : (int)(M - m);
 #pragma omp for schedule(static) nowait
-                for (int64_t p = 0; p < P; p++)
-                    amx_block(q, d, s, o, m, mr, K, codes, base + p * stride, p, a, c, bits, G, N, bias, y, ldy);
+                    for (int64_t p = p0; p < p1; p++)
+                        amx_block(q, d, s, o, m, mr, K, codes, all ? all + (p - p0) * stride : codes + p * stride, p,
+                                  a, c, bits, G, N, bias, y, ldy);
+                }
+#pragma omp barrier
             }
         } else {
             uint8_t *wide = widen ? aligned_alloc(64, (size_t)(nb * 512)) : NULL;
