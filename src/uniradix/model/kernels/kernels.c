@@ -1344,6 +1344,47 @@ static inline void dots4(const float *const *a, int nq, const char *const *b, in
 }
 #endif
 
+/* Scores of 2 * NP queries against NK float32 keys b[0 .. NK) into out[k * MAXQ + q], from
+   the queries packed in pairs (pq: pair p's chunk c at pq + (p * d / 8 + c) * 16, query
+   2p's 8 elements then 2p + 1's): each key's 8 elements broadcast to both halves (a load,
+   no shuffle), so a vector holds two queries' chains against one key, each lane the chain
+   dots() keeps in it, and the lanes summed by dots8_n's network with the queries in the
+   keys' place: the same bits as dots(). */
+static inline __attribute__((always_inline)) void dots_pairs_n(
+        const int NP, const int NK, const float *pq, const char *const *b, int64_t d, float *out) {
+    __m512 acc[4][8];
+    for (int p = 0; p < NP; p++)
+        for (int k = 0; k < NK; k++) acc[p][k] = _mm512_setzero_ps();
+    const int64_t d8 = d / 8;
+    for (int64_t c = 0; c < d8; c++) {
+        __m512 bv[8];
+        for (int k = 0; k < NK; k++) bv[k] = _mm512_broadcast_f32x8(_mm256_loadu_ps((const float *)b[k] + c * 8));
+        for (int p = 0; p < NP; p++) {
+            const __m512 qv = _mm512_load_ps(pq + (p * d8 + c) * 16);
+            for (int k = 0; k < NK; k++) acc[p][k] = _mm512_fmadd_ps(qv, bv[k], acc[p][k]);
+        }
+    }
+    for (int k = 0; k < NK; k++) {
+        float t[16];
+        if (NP == 4) {
+            const __m512 ab = _mm512_add_ps(_mm512_shuffle_ps(acc[0][k], acc[1][k], _MM_SHUFFLE(2, 0, 2, 0)),
+                                            _mm512_shuffle_ps(acc[0][k], acc[1][k], _MM_SHUFFLE(3, 1, 3, 1)));
+            const __m512 cd = _mm512_add_ps(_mm512_shuffle_ps(acc[2][k], acc[3][k], _MM_SHUFFLE(2, 0, 2, 0)),
+                                            _mm512_shuffle_ps(acc[2][k], acc[3][k], _MM_SHUFFLE(3, 1, 3, 1)));
+            const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(2, 0, 2, 0)),
+                                           _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)));
+            const __m512 y = _mm512_add_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+            _mm512_storeu_ps(t, y);
+            for (int q = 0; q < 8; q++) out[k * MAXQ + q] = t[(q % 2) * 8 + q / 2];
+        } else {
+            for (int p = 0; p < NP; p++) {
+                out[k * MAXQ + 2 * p] = half_sum(acc[p][k], 0);
+                out[k * MAXQ + 2 * p + 1] = half_sum(acc[p][k], 1);
+            }
+        }
+    }
+}
+
 /* PV_GROUPS column groups (PV_GROUPS NR columns from a[0]) of qn queries' output chains
    (rows d apart, their weights p rows w apart) over the values of keys [ja, jb), in key
    order: a value row's columns read together, the chains in registers. */
@@ -1383,7 +1424,7 @@ static inline __attribute__((always_inline)) void pvg(
 static inline __attribute__((always_inline)) void attend_block(
     const float *q, int64_t H, int64_t d, const void *kpool, const void *vpool, const int dt, int64_t G,
     const int64_t *slots, const int64_t *first, const int64_t *count, float scale, const float *sinks, float *out,
-    int64_t r0, int64_t r1, int64_t kh, float *sc, int64_t widest, float *acc) {
+    int64_t r0, int64_t r1, int64_t kh, float *sc, int64_t widest, float *acc, float *pq) {
     const int64_t es = elem_size(dt), slot_bytes = (H / G) * d * es;
     int64_t lo = first[r0], hi = first[r0] + count[r0];
     for (int64_t r = r0 + 1; r < r1; r++) {
@@ -1407,12 +1448,39 @@ static inline __attribute__((always_inline)) void attend_block(
     const int64_t *sl = slots + lo;
     const int64_t row_bytes = d * es;
     float tmp[MAXQ];
+#if defined(UR_AVX512)
+    const int paired = dt == DT_F32 && d % 8 == 0;   /* float32 keys: scores from queries packed in pairs */
+    if (paired)
+        for (int qi = 0; qi < nq + (nq & 1); qi++)
+            for (int64_t c = 0; c < d / 8; c++)
+                for (int l = 0; l < 8; l++)
+                    pq[((qi / 2) * (d / 8) + c) * 16 + (qi % 2) * 8 + l] = qi < nq ? qp[qi][c * 8 + l] : 0.0f;
+#endif
     for (int64_t t0 = 0; t0 < n; t0 += KTILE) {
         const int64_t t1 = t0 + KTILE < n ? t0 + KTILE : n;
         for (int g0 = 0; g0 < nq; g0 += MAXQ) {
             const int gn = nq - g0 < MAXQ ? nq - g0 : MAXQ;
             int64_t j = t0;
 #if defined(UR_AVX512)
+            if (paired) {
+                const int np = (gn + 1) / 2, nk = np > 2 ? 4 : 8;
+                const float *pg = pq + (g0 / 2) * (d / 8) * 16;
+                for (float t8[8 * MAXQ]; j + nk <= t1; j += nk) {
+                    const char *b[8];
+                    for (int k = 0; k < nk; k++) {
+                        b[k] = kb + sl[j + k] * slot_bytes;
+                        if (g0 == 0 && j + k + KAHEAD < n) prefetch_row(kb + sl[j + k + KAHEAD] * slot_bytes, row_bytes);
+                    }
+                    switch (np) {
+                    case 4: dots_pairs_n(4, 4, pg, b, d, t8); break;
+                    case 3: dots_pairs_n(3, 4, pg, b, d, t8); break;
+                    case 2: dots_pairs_n(2, 8, pg, b, d, t8); break;
+                    default: dots_pairs_n(1, 8, pg, b, d, t8); break;
+                    }
+                    for (int k = 0; k < nk; k++)
+                        for (int qi = 0; qi < gn; qi++) sc[(g0 + qi) * widest + j + k] = t8[k * MAXQ + qi] * scale;
+                }
+            }
             for (float t8[8 * MAXQ]; j + 8 <= t1; j += 8) {
                 const char *b[8];
                 for (int k = 0; k < 8; k++) {
@@ -1579,23 +1647,25 @@ void ur_attention(const float *q, int64_t N, int64_t H, int64_t d, const void *k
     {
         float *sc = (float *)malloc(sizeof(float) * (G > QBLOCK ? G : QBLOCK) * widest);
         float *acc = (float *)malloc(sizeof(float) * (G > QBLOCK ? G : QBLOCK) * d);
+        float *pq = (float *)aligned_alloc(64, (sizeof(float) * ((G > QBLOCK ? G : QBLOCK) + 1) * d + 63) / 64 * 64);
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t bi = 0; bi < nb; bi++) {
             for (int64_t kh = 0; kh < KV; kh++) {
                 const int64_t r0 = bstart[bi], r1 = bstart[bi + 1];
                 if (dt == DT_F32)
                     attend_block(q, H, d, kpool, vpool, DT_F32, G, slots, first, count, scale, sinks, out, r0, r1, kh,
-                                 sc, widest, acc);
+                                 sc, widest, acc, pq);
                 else if (dt == DT_BF16)
                     attend_block(q, H, d, kpool, vpool, DT_BF16, G, slots, first, count, scale, sinks, out, r0, r1,
-                                 kh, sc, widest, acc);
+                                 kh, sc, widest, acc, pq);
                 else
                     attend_block(q, H, d, kpool, vpool, DT_F16, G, slots, first, count, scale, sinks, out, r0, r1,
-                                 kh, sc, widest, acc);
+                                 kh, sc, widest, acc, pq);
             }
         }
         free(sc);
         free(acc);
+        free(pq);
     }
     free(bstart);
 }
