@@ -1565,11 +1565,15 @@ static inline __attribute__((always_inline)) void attend_block(
         const int64_t t1 = t0 + KTILE < n ? t0 + KTILE : n;
         for (int64_t j = t1; j < (t1 + KTILE < n ? t1 + KTILE : n); j++)  /* the next tile's values */
             prefetch_row(vb + sl[j] * slot_bytes, row_bytes);
-        for (int q0 = 0; q0 < nq; q0 += 4) {
-            const int qn = nq - q0 < 4 ? nq - q0 : 4;
-            const int64_t ja = ja4[q0 / 4] > t0 ? ja4[q0 / 4] : t0, jb = jb4[q0 / 4] < t1 ? jb4[q0 / 4] : t1;
-            if (ja >= jb) continue;
-            for (int64_t c0 = 0; c0 < d; c0 += NR) {
+        /* a span of columns at a time, every query group over it: the span's slice of the
+           tile's values (16 KB in float32 at 64 keys) stays in the first-level cache for
+           all the groups (each chain's operations are the same in any loop order) */
+        for (int64_t c0 = 0; c0 < d;) {
+            const int64_t span = d - c0 >= PV_GROUPS * NR ? PV_GROUPS * NR : NR;
+            for (int q0 = 0; q0 < nq; q0 += 4) {
+                const int qn = nq - q0 < 4 ? nq - q0 : 4;
+                const int64_t ja = ja4[q0 / 4] > t0 ? ja4[q0 / 4] : t0, jb = jb4[q0 / 4] < t1 ? jb4[q0 / 4] : t1;
+                if (ja >= jb) continue;
                 const int nc = d - c0 >= NR ? NR : (int)(d - c0);
                 if (d - c0 >= PV_GROUPS * NR) {  /* column groups side by side: more chains in flight */
                     float *a0 = acc + q0 * d + c0;
@@ -1581,7 +1585,6 @@ static inline __attribute__((always_inline)) void attend_block(
                     case 2: pvg(2, a0, d, p0, widest, v0, sl, slot_bytes, es, dt, ja, jb); break;
                     default: pvg(1, a0, d, p0, widest, v0, sl, slot_bytes, es, dt, ja, jb); break;
                     }
-                    c0 += (PV_GROUPS - 1) * NR;
                 } else if (nc == NR) {
                     wvec a4[4];
                     for (int qi = 0; qi < qn; qi++) a4[qi] = wloadf(acc + (q0 + qi) * d + c0, NR);
@@ -1603,6 +1606,7 @@ static inline __attribute__((always_inline)) void attend_block(
                     }
                 }
             }
+            c0 += span;
         }
     }
     for (int qi = 0; qi < nq; qi++) {
