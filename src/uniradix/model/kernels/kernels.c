@@ -679,6 +679,7 @@ static void qpanel(int mr, const int8_t *q, const float *d, const float *s, cons
 #include <unistd.h>
 #define UR_AMX 1
 #define AMX_ROWS 16   /* activation rows from which a product takes AMX's tiles */
+#define AMX_STORE_LAG 3   /* products between a group's tile product and its store (at most 3: four C tiles) */
 static int amx_state;   /* 0: not asked yet; 1: the kernel lets this process use the tiles; -1: not, or switched off */
 
 /* Whether products take AMX (asked of the kernel once: Linux lends the tile state to a
@@ -711,9 +712,11 @@ static void amx_configure(int64_t G) {
 
 /* 16 activation rows (q padded to them: rows past mr are zeros, their d 0) against one
    panel whose codes lie a byte each, [block][line][64] (pc), outputs of rows [0, mr).
-   Each group's sums come from one tile product, stored, then scaled into the rows'
-   chains two groups later (so the products run while the vector unit scales), with
-   the same float operations as qpanel_bg's, in group order. pf (pf_bytes): a later
+   Each group's sums come from one tile product, stored AMX_STORE_LAG products later (a
+   store waits for its product: stored at once, each held the next products back, 0.8x
+   the time at 256 rows), then scaled into the rows' chains (so the products run while
+   the vector unit scales), with the same float operations as qpanel_bg's, in group
+   order. pf (pf_bytes): a later
    panel's codes, fetched a share a group meanwhile (tile loads start no hardware
    prefetch: without it a verify step's head waited on memory, 1.3x the time). */
 static inline __attribute__((always_inline)) void qpanel_amx_g(
@@ -730,12 +733,19 @@ static inline __attribute__((always_inline)) void qpanel_amx_g(
         _tile_loadd(A, q + g * G, K);                                                  \
         _tile_loadd(B, pc + g * G * 16, 64);                                           \
         if (bits8) _tile_dpbssd(C, A, B); else _tile_dpbsud(C, A, B);                  \
-        _tile_stored(C, sums[C], 64);                                                  \
     } while (0)
-    for (int64_t g = 0; g < ng + 2; g++) {
+    for (int64_t g = 0; g < ng + AMX_STORE_LAG + 1; g++) {
         if (pf && g < ng)   /* into the second-level cache: the panel after next */
             for (int64_t o = g * pf_share; o < (g + 1) * pf_share && o < pf_bytes; o += 64)
                 __builtin_prefetch(pf + o, 0, 2);
+        if (g >= AMX_STORE_LAG && g - AMX_STORE_LAG < ng) {   /* the sums of group g - LAG (its tile is next to be zeroed) */
+            switch ((g - AMX_STORE_LAG) & 3) {
+            case 0: _tile_stored(0, sums[0], 64); break;
+            case 1: _tile_stored(1, sums[1], 64); break;
+            case 2: _tile_stored(2, sums[2], 64); break;
+            default: _tile_stored(3, sums[3], 64); break;
+            }
+        }
         if (g < ng) {
             switch (g & 3) {
             case 0: PRODUCT(0, 4, 6); break;
@@ -744,8 +754,8 @@ static inline __attribute__((always_inline)) void qpanel_amx_g(
             default: PRODUCT(3, 5, 7); break;
             }
         }
-        if (g >= 2) {   /* group h = g - 2: its sums were stored two products ago */
-            const int64_t h = g - 2, b = h * G / 32;
+        if (g > AMX_STORE_LAG) {   /* group h: its sums were stored an iteration ago */
+            const int64_t h = g - AMX_STORE_LAG - 1, b = h * G / 32;
             const int32_t *sh = sums[h & 3];
             const __m512 av = _mm512_loadu_ps(a + h * QP);
             for (int r = 0; r < 16; r++)
@@ -1344,6 +1354,7 @@ static inline void dots4(const float *const *a, int nq, const char *const *b, in
 }
 #endif
 
+#if defined(UR_AVX512)
 /* Scores of 2 * NP queries against NK float32 keys b[0 .. NK) into out[k * MAXQ + q], from
    the queries packed in pairs (pq: pair p's chunk c at pq + (p * d / 8 + c) * 16, query
    2p's 8 elements then 2p + 1's): each key's 8 elements broadcast to both halves (a load,
@@ -1384,6 +1395,7 @@ static inline __attribute__((always_inline)) void dots_pairs_n(
         }
     }
 }
+#endif
 
 /* PV_GROUPS column groups (PV_GROUPS NR columns from a[0]) of qn queries' output chains
    (rows d apart, their weights p rows w apart) over the values of keys [ja, jb), in key
