@@ -21,6 +21,7 @@
    Built with -ffp-contract=off: the only fused operations are the ones written; the
    elementwise functions are branch-free, so their loops vectorise, and a vector lane
    and the scalar tail run the same operations. */
+#define _GNU_SOURCE   /* syscall() under -std=c11 (asking Linux for AMX's tiles): GCC 14 refuses an undeclared call */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
