@@ -714,12 +714,12 @@ static void amx_configure(int64_t G) {
 /* 16 activation rows (q padded to them: rows past mr are zeros, their d 0) against one
    panel whose codes lie a byte each, [block][line][64] (pc), outputs of rows [0, mr).
    Each group's sums come from one tile product, stored AMX_STORE_LAG products later (a
-   store waits for its product: stored at once, each held the next products back, 0.8x
+   store waits for its product: stored at once, each held the next products back; 0.9x
    the time at 256 rows), then scaled into the rows' chains (so the products run while
    the vector unit scales), with the same float operations as qpanel_bg's, in group
-   order. pf (pf_bytes): a later
-   panel's codes, fetched a share a group meanwhile (tile loads start no hardware
-   prefetch: without it a verify step's head waited on memory, 1.3x the time). */
+   order. pf (pf_bytes): a later panel's codes, fetched a share a group meanwhile (tile
+   loads start no hardware prefetch: without it a verify step's head waited on memory,
+   1.3x the time). */
 static inline __attribute__((always_inline)) void qpanel_amx_g(
         const int bits8, const int64_t G, int mr, const int8_t *q, const float *d, const float *s, int64_t K,
         const uint8_t *pc, const float *a, const float *c, const float *bias, int64_t n0, int nw, float *y,
