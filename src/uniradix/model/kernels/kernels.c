@@ -820,6 +820,14 @@ static inline void amx_block(const int8_t *q, const float *d, const float *s, co
    16 rows against every panel of the sweep, so that the rows' codes stay in the
    first-level cache while the sweep's panels stream by from the second (0.75-0.85x the
    time at 256 rows), and a large weight is still read from memory once. */
+/* A panel's 4- or 5-bit codes (nb blocks of pbb bytes) a byte each, as the tiles read
+   them: [block][line][64] at dst. */
+static inline void widen_panel(uint8_t *dst, const uint8_t *panel, int64_t nb, int64_t pbb, int bits) {
+    for (int64_t b = 0; b < nb; b++)
+        for (int g = 0; g < 8; g++)
+            _mm512_store_si512((void *)(dst + b * 512 + g * 64), qline(panel + b * pbb, g, bits));
+}
+
 static void qlinear_amx(const int8_t *q, const float *d, const float *s, const int32_t *o, int64_t M, int64_t K,
                         const uint8_t *codes, const float *a, const float *c, int bits, int64_t G, int64_t N,
                         const float *bias, float *y, int64_t ldy, int nt) {
@@ -839,10 +847,7 @@ static void qlinear_amx(const int8_t *q, const float *d, const float *s, const i
                 if (all) {
 #pragma omp for schedule(static)
                     for (int64_t p = p0; p < p1; p++)
-                        for (int64_t b = 0; b < nb; b++)
-                            for (int g = 0; g < 8; g++)
-                                _mm512_store_si512((void *)(all + ((p - p0) * nb + b) * 512 + g * 64),
-                                                   qline(codes + p * nb * pbb + b * pbb, g, bits));
+                        widen_panel(all + (p - p0) * nb * 512, codes + p * nb * pbb, nb, pbb, bits);
                 }
                 for (int64_t m = 0; m < M; m += 16) {
                     const int mr = M - m >= 16 ? 16 : (int)(M - m);
@@ -859,9 +864,7 @@ static void qlinear_amx(const int8_t *q, const float *d, const float *s, const i
             for (int64_t p = 0; p < P; p++) {
                 const uint8_t *pc = codes + p * nb * pbb;
                 if (wide) {
-                    for (int64_t b = 0; b < nb; b++)
-                        for (int g = 0; g < 8; g++)
-                            _mm512_store_si512((void *)(wide + b * 512 + g * 64), qline(pc + b * pbb, g, bits));
+                    widen_panel(wide, pc, nb, pbb, bits);
                     pc = wide;
                 }
                 const int64_t ahead = p + 2 < P ? p + 2 : -1;   /* its codes and scales fetched meanwhile */
