@@ -85,7 +85,7 @@ MASKS = [re.compile(p) for p in (
     r" in ([\d.]+) s: ",                                                     # loading a checkpoint
     r"^(?:\d+|all) \d+ \d+ [\d.]+% ([\d.,-]+) ([\d.,-]+) \d+$",              # uniradix run: TTFT ms, input tok/s
     r"^\d+ [\d,]+ [\d,]+ [\d.]+% ([\d.]+) ([\d.]+) ([\d,]+) \d+$",           # bench multiturn: TTFT mean, p90, tok/s
-    r"^\d+ [\d,]+ (?:off|x[\d.]+) (?:on|off) \w+ (?:on|off) \d+ (?:[\d.]+% ){4}\d+ ([\d,]+)$",  # simulate: req/s
+    r"^\d+ [\d,]+ (?:off|x[\d.]+) (?:on|off) \w+ (?:spare|windows|-) (?:on|off) \d+ (?:[\d.]+% ){4}\d+ ([\d,]+)$",  # simulate: req/s
     r'"ttft": ([\d.e-]+)', r'"latency": ([\d.e-]+)',                         # a request log's record
     # the clock
     r'"time": ([\d.]+)', r"^(\d{4}-\d\d-\d\d \d\d):00 ",

@@ -158,6 +158,7 @@ class Settings:
 
 # ---------------------------------------------------------------------------- allowed values
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "priority")
+SWA_RETENTIONS = ("spare", "windows")
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_BACKENDS = ("file", "redis", "mooncake", "dynamic")
@@ -180,6 +181,11 @@ class CacheConfig(Settings):
     max_mamba_cache_size: int | None = setting(
         None, "recurrent state slots for running requests and checkpoints "
               "(default: 4 x --max-running-requests + 64)", check=optional(count()))
+    swa_retention: str = setting(
+        "spare", "what the tree keeps of sliding-window KV: 'windows', only the windows where requests "
+                 "resumed or ended (the least memory); 'spare', every page a prompt computed, those no "
+                 "resume point needs as spares that eviction takes first, so a request branching anywhere "
+                 "off a cached prompt still finds its window while there is room", choices=SWA_RETENTIONS)
     radix_eviction_policy: str = setting("lru", "eviction order", choices=EVICTION_POLICIES)
     disable_radix_cache: bool = setting(False, "reuse nothing (the baseline)", check=flag_bool)
 

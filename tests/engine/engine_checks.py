@@ -197,6 +197,14 @@ def check_flush(engine: Engine) -> None:
         assert hp.available == hp.size, f"host {hp.name}: {hp.size - hp.available} handles still allocated after flush"
 
 
+def swa_held(engine: Engine, name: str = "swa") -> int:
+    """The window pages running requests hold: their own and what their locks pin in
+    the tree (its unlocked pages, the spare windows a prompt left behind above all, go
+    to whoever needs them)."""
+    pool = engine.pools[name]
+    return pool.size - pool.available - engine.cache.tree.evictable(name)
+
+
 def run_checked(engine: Engine, requests, *, every_step: bool = True) -> dict:
     """Submit and step to the end, checking ownership after every step; returns what
     was seen on the way (the most requests in flight together, steps, mixed batches)."""

@@ -16,6 +16,15 @@ from uniradix.engine.admission import MIN_SHARED_TOKENS
 PRE = 200  # the shared preamble
 
 
+@pytest.fixture
+def make_engine(make_engine):
+    """Engines that keep sliding-window KV only at resume points, so the shared prefix
+    reaches the tree by in-batch sharing alone (with spare windows a leader's prompt
+    goes into the tree chunk by chunk: test_with_spare_windows_followers_resume_from_
+    the_leaders_chunks)."""
+    return lambda *a, **kw: make_engine(*a, **{"swa_retention": "windows", **kw})
+
+
 def _family(rng, n=4, pre=PRE, own=(23, 31, 40, 17), out=3):
     """n prompts opening with one preamble, each going its own way right after it."""
     trunk = toks(rng, pre)
@@ -272,3 +281,25 @@ def test_sharing_with_the_host_and_storage_tiers(make_engine, name, tmp_path):
         check_exact(eng if r in reqs else eng2, r)
         check_work(r)
     assert all(r.metrics.cached_tokens >= PRE for r in again)
+
+
+@pytest.mark.parametrize("name", ["gemma3-like", "tiny-hybrid"])
+@pytest.mark.parametrize("page", [1, 4])
+@pytest.mark.parametrize("chunk", [256, 48])
+def test_with_spare_windows_followers_resume_from_the_leaders_chunks(make_engine, name, page, chunk):
+    """With spare windows (the default), a leader's prompt goes into the tree chunk by
+    chunk: a follower resumes at the shared preamble's end, or where the leader's last
+    chunk put it, when waiting for the rest would save it too little; outputs exact."""
+    eng = make_engine(name, page_size=page, chunked_prefill_size=chunk, swa_retention="spare")
+    _, reqs = _family(random.Random(1))
+    run_checked(eng, reqs)
+    for r in reqs:
+        check_exact(eng, r)
+        check_work(r)
+    lead, followers = reqs[0], reqs[1:]
+    assert lead.metrics.cached_tokens == 0 and lead.metrics.computed_tokens == len(lead.input_ids)
+    for r in followers:
+        gap = page_floor(PRE, page) - r.metrics.cached_tokens
+        assert 0 <= gap < max(MIN_SHARED_TOKENS, page), (r.rid, r.metrics)
+    prompts = sum(len(r.input_ids) for r in reqs)
+    assert sum(r.metrics.computed_tokens for r in reqs) == prompts - sum(r.metrics.cached_tokens for r in followers)

@@ -281,7 +281,8 @@ def test_preemption_and_in_batch_sharing_with_speculation(make_engine, preset, t
     request, though every step verified drafts from the pages left free. Drafts that are
     kept make requests finish sooner, which moves later admissions: the replies stay the
     same and the audit settles."""
-    kw = dict(max_total_tokens=232, max_running_requests=6, max_mamba_cache_size=40)
+    # windows only at resume points: the shared prefixes reach the tree by in-batch sharing
+    kw = dict(max_total_tokens=232, max_running_requests=6, max_mamba_cache_size=40, swa_retention="windows")
     rng = random.Random(5)
     shared = [rng.randrange(3, 250) for _ in range(48)]
     off, on = pair(make_engine, preset, 4, "L1", tmp_path, **kw)

@@ -16,6 +16,7 @@ from engine_checks import (
     greedy,
     page_floor,
     run_checked,
+    swa_held,
     toks,
 )
 
@@ -45,11 +46,11 @@ def gemma(make_engine, page, chunk=CHUNK, **kw):
 
 
 def record_swa_at_forward(eng) -> list[int]:
-    """The SWA pool's use at each forward, when a step's chunks hold the most of it."""
-    swa, seen, forward = eng.pools["swa"], [], eng.model.forward
+    """The SWA pages requests hold at each forward, when a step's chunks hold the most."""
+    seen, forward = [], eng.model.forward
 
     def recorded(*a, **kw):
-        seen.append(swa.size - swa.available)
+        seen.append(swa_held(eng))
         return forward(*a, **kw)
 
     eng.model.forward = recorded
@@ -104,7 +105,7 @@ def test_a_prefilling_request_holds_its_window_and_a_chunk(make_engine, page):
         eng.step()
         check_ownership(eng)
         if eng.running:
-            between.append(swa.size - swa.available)
+            between.append(swa_held(eng))
     assert len(seen) >= L // CHUNK, "the prompt was not computed chunk by chunk"
     assert max(seen) <= holding_bound(page), (max(seen), holding_bound(page))
     assert max(between) <= holding_bound(page)
@@ -164,12 +165,15 @@ def test_when_every_prefill_waits_for_window_pages_the_newest_is_preempted(make_
         eng.submit(r)
     a = min(prefilling(eng, 2), key=lambda st: st.order)
     done_a = a.computed
+    tree = eng.cache.tree
+    eng.cache.evict(swa_pages=tree.evictable("swa"))  # the spare windows go first
     hog = swa.alloc(swa.available)  # every free window page taken
+    evicted = tree.evicted[tree.index["swa"]]
     try:
         eng.step()
         assert new.metrics.preemptions == 1 and new.status == "preempted"
         assert old.metrics.preemptions == 0 and a.computed > done_a, "the older did not go on"
-        assert eng.cache.tree.size[eng.cache.tree.index["swa"]] == 0, "its cached window was not given to the older"
+        assert tree.evicted[tree.index["swa"]] > evicted, "its cached window was not given to the older"
     finally:
         swa.free(hog)
     run_checked(eng, [])

@@ -1,7 +1,8 @@
 """The SWA window rule end to end (design.md §3 SWA): a query at i reads keys i - W < j <= i,
 so a request resumes at boundary b with the SWA KV of the W - 1 tokens before b, and the
 tree keeps exactly that much at the end of each cached sequence, its junction and its
-prompt's resume point.
+prompt's resume point, and with spare windows (the default, without recurrent layers)
+every page of each prompt computed besides.
 
 Each case runs an engine with a layer pattern holding sliding layers, at page sizes 1,
 2, 3, 4 and 16 and windows with W % P in {0, 1, 2, P - 1} (W = 1 included): a
@@ -34,9 +35,12 @@ class Retained:
     positions past where the request resumed. Pages and checkpoints are named by the
     tokens up to their end, so a shared prefix is one name."""
 
-    def __init__(self, cfg: HybridConfig, P: int):
+    def __init__(self, cfg: HybridConfig, P: int, retention: str = "spare"):
         self.P, self.W = P, cfg.window
         self.sliding, self.recurrent = "S" in cfg.pattern, "M" in cfg.pattern
+        # spare windows: a window without a checkpoint beside it resumes nothing, and W = 1
+        # reads no earlier page
+        self.spare = retention == "spare" and self.sliding and not self.recurrent and self.W > 1
         self.paths: list[list[int]] = []
         self.swa: set[tuple] = set()
         self.ckpt: set[tuple] = set()
@@ -81,6 +85,8 @@ class Retained:
                 self.swa |= self.window_pages(done, j)
             if j > b:
                 self.ckpt.add(tuple(done[:j]))
+        if self.spare:  # every whole page it computed of its prompt's all but last token (what it matched)
+            self.swa |= {tuple(done[:(q + 1) * P]) for q in range(b // P, (len(req.input_ids) - 1) // P)}
 
 
 def _serve(eng, model: Retained, prompt: list[int], out: int):
@@ -102,10 +108,10 @@ def _serve(eng, model: Retained, prompt: list[int], out: int):
     return req
 
 
-def _conversation(make_engine, pattern: str, P: int, W: int, seed: int) -> None:
+def _conversation(make_engine, pattern: str, P: int, W: int, seed: int, retention: str = "spare") -> None:
     cfg = HybridConfig(pattern=pattern, window=W)
-    eng = make_engine(cfg, page_size=P)
-    model = Retained(cfg, P)
+    eng = make_engine(cfg, page_size=P, swa_retention=retention)
+    model = Retained(cfg, P, retention)
     rng = random.Random(seed)
     # turn 1, and turn 2 extending its prompt and output
     first = toks(rng, 2 * P + W + 3)
@@ -122,17 +128,21 @@ def _conversation(make_engine, pattern: str, P: int, W: int, seed: int) -> None:
             _serve(eng, model, done[:k] + diverging(rng, P + 2, [done[k]]), 2)
 
 
-@pytest.mark.parametrize("pattern", ["SF", "FSMF"])
+RETENTIONS = pytest.mark.parametrize("pattern,retention", [("SF", "spare"), ("SF", "windows"), ("FSMF", "spare")])
+
+
+@RETENTIONS
 @pytest.mark.parametrize("P,W", QUICK)
-def test_reuse_and_retention_follow_the_window_rule(make_engine, pattern, P, W):
-    _conversation(make_engine, pattern, P, W, seed=P * 100 + W)
+def test_reuse_and_retention_follow_the_window_rule(make_engine, pattern, retention, P, W):
+    _conversation(make_engine, pattern, P, W, seed=P * 100 + W, retention=retention)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pattern", ["SF", "FSMF", "SSSSSF"])
+@pytest.mark.parametrize("pattern,retention", [("SF", "spare"), ("SF", "windows"), ("FSMF", "spare"),
+                                               ("SSSSSF", "spare"), ("SSSSSF", "windows")])
 @pytest.mark.parametrize("P,W", WINDOW_CASES)
-def test_reuse_and_retention_follow_the_window_rule_sweep(make_engine, pattern, P, W):
-    _conversation(make_engine, pattern, P, W, seed=P * 1000 + W)
+def test_reuse_and_retention_follow_the_window_rule_sweep(make_engine, pattern, retention, P, W):
+    _conversation(make_engine, pattern, P, W, seed=P * 1000 + W, retention=retention)
 
 
 def test_window_one_resumes_anywhere_without_swa(make_engine):

@@ -42,11 +42,12 @@ class Sim:
         if "swa" in kinds or kinds == "all":
             if W is None:
                 W = rng.choice([1, P, 2 * P, 3 * P, rng.randint(1, 4 * P)])
-            keep = rng.random() < 0.5
-            comps.append(SWAComponent(W, keep_all=keep))
+            keep = rng.choice(["windows", "all", "spare"])
+            comps.append(SWAComponent(W, keep_all=keep == "all", keep_spare=keep == "spare"))
         if "swa2" in kinds or kinds == "all":
             W2 = rng.choice([P, 2 * P, rng.randint(1, 3 * P)])
-            comps.append(H.SecondSWAComponent(W2, keep_all=rng.random() < 0.5))
+            keep = rng.choice(["windows", "all", "spare"])
+            comps.append(H.SecondSWAComponent(W2, keep_all=keep == "all", keep_spare=keep == "spare"))
         if "mamba" in kinds or kinds == "all":
             comps.append(MambaComponent())
         if "wpx" in kinds or kinds == "all":
@@ -141,30 +142,41 @@ class Sim:
         lock = rng.random() < 0.25
         res = tree.insert(seq, values, prefix_len=prefix_len, resume_points=junction, lock=lock)
         led.returned(res.free)
-        self.check_retention(seq[:n], res.existing, junction, values)
+        self.check_retention(seq[:n], res.existing, junction, values, lock)
         if res.receipt is not None:
             self.receipts.append((res.receipt, self._had(res.receipt.node)))
         self.seqs.append(seq)
 
-    def check_retention(self, seq, existing: int, junction, values) -> None:
+    def check_retention(self, seq, existing: int, junction, values, running: bool = False) -> None:
         """design.md §3 Retention, on the pages this insert added past the cached path: a
         windowed component without keep_all keeps exactly its present pages that touch
-        the window before the end or before the junction (by the reference rule)."""
+        the window before the end (a finished request's) or before the junction (by the
+        reference rule); with keep_spare it keeps every present page, the others as
+        spares."""
         tree, P, n = self.tree, self.P, len(seq)
         matched, pages, _ = H.per_page(tree, seq)
         if matched < n:
             return  # the new leaf served nothing and went
-        ends = {n} | ({page_floor(min(junction, n), P)} if junction else set())
         for c in tree.components:
             if getattr(c, "window", None) is None or c.keep_all or c.name not in values:
                 continue
+            ends = set() if running and c.keep_spare else {n}
+            if junction:
+                ends.add(page_floor(min(junction, n), P))
             want = {q for j in ends for q in H.page_rule_pages(c.window, j, P)}
+            leaf = H.brute_matched(tree, seq)[1]
+            holder = {q: nd for nd in (leaf.path() if leaf is not None else ())
+                      for q in range(nd.start // P, nd.end // P)}
             for q in range(existing // P, n // P):
                 h = values[c.name][q]
-                kept = h >= 0 and q in want
+                kept = h >= 0 and (q in want or c.keep_spare)
                 assert pages[c.name][q] == (h if kept else None), (
                     f"{c.name} (W={c.window}, P={P}) page {q}: holds {pages[c.name][q]}, brought {h}, "
                     f"windows before {sorted(ends)} need pages {sorted(want)}")
+                if kept and c.keep_spare:
+                    assert bool(holder[q].spare >> c.index & 1) == (q not in want), (
+                        f"{c.name} (W={c.window}, P={P}) page {q} on {holder[q]!r}: spare "
+                        f"{holder[q].spare >> c.index & 1}, windows before {sorted(ends)} need pages {sorted(want)}")
 
     def evict(self) -> None:
         rng, tree = self.rng, self.tree

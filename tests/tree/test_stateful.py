@@ -196,7 +196,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
     @initialize(
         page=st.sampled_from([1, 2, 4]),
         window=st.integers(1, 8),
-        keep_all=st.booleans(),
+        retention=st.sampled_from(["windows", "all", "spare"]),
         policy=st.sampled_from(["lru", "lfu", "fifo", "priority"]),
         full_size=st.integers(40, 96),
         swa_size=st.integers(40, 96),
@@ -205,10 +205,12 @@ class RadixTreeMachine(RuleBasedStateMachine):
         write_back=st.one_of(st.none(), ANSWERS),
         write_through=st.sampled_from([None, None, 0, 0, 1, 2]),
     )
-    def setup(self, page, window, keep_all, policy, full_size, swa_size, mamba_size, host_ratio,
+    def setup(self, page, window, retention, policy, full_size, swa_size, mamba_size, host_ratio,
               write_back, write_through):
-        self.P, self.W, self.keep_all, self.policy = page, window, keep_all, policy
-        self.tree = RadixTree([FullComponent(), SWAComponent(window, keep_all=keep_all),
+        self.P, self.W, self.policy = page, window, policy
+        self.keep_all, self.keep_spare = retention == "all", retention == "spare"
+        self.tree = RadixTree([FullComponent(), SWAComponent(window, keep_all=self.keep_all,
+                                                             keep_spare=self.keep_spare),
                                MambaComponent()], page_size=page, eviction_policy=policy)
         # speculation's draft index, kept in step with every insert, split and removal
         self.tree.drafts = DraftIndex(2)
@@ -500,11 +502,14 @@ class RadixTreeMachine(RuleBasedStateMachine):
                 self.evict(ci, short, host=True)
 
     def rank(self, x, ci):
-        """design.md §3: (has session references, number of references, base policy)."""
+        """design.md §3: (has session references, number of references, base policy),
+        spare slots (unreferenced) before all others."""
         p = self.policy
         bk = (x.tick if p == "lru" else x.created if p == "fifo"
               else (x.hits, x.tick) if p == "lfu" else (x.priority, x.tick))
-        return (1, x.refs[ci], bk) if x.refs[ci] else (0, 0, bk)
+        if x.refs[ci]:
+            return (1, x.refs[ci], bk)
+        return (-1, 0, bk) if x.spare >> ci & 1 else (0, 0, bk)
 
     def backup_fn(self, answers):
         """A device eviction's write-back callback, answering in turn: True, host handles
@@ -655,7 +660,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
                 went = {x: ranks[x] for x in free_ok if set(before[x]) <= gone}
                 raise AssertionError(
                     f"{self.policy}: evict{'_host' if host else ''}({EVICT_KW[ci]}={k}) passed over "
-                    f"the best-ranked slot(s) {first} (rank (has refs, refs, base key) = {best}); "
+                    f"the best-ranked slot(s) {first} (rank (has refs or -1 spare, refs, base key) = {best}); "
                     f"it took {went}")
         if len(got) < k:
             left = [x for x in self.all_nodes(tree) if sure(x, ci)]
@@ -790,16 +795,23 @@ class RadixTreeMachine(RuleBasedStateMachine):
         assert res.existing == pre and res.existing >= r.b, (res.existing, pre, r.b)
         if not self.keep_all:
             # design.md §3 Retention: of this insert's SWA pages the tree keeps only those in
-            # the window at the end and the window at the junction
-            spans = [(self.window_start(n), n)]
+            # the window at the end (a finished request's) and the window at the junction;
+            # with spares, it keeps the rest too, as spares
+            spans = [(self.window_start(n), n)] if not (running and self.keep_spare) else []
             if j:
                 jj = min(j, n) // P * P
                 spans.append((self.window_start(jj), jj))
-            kept = {h for x in self.all_nodes() if x.value[SWA] is not None for h in x.value[SWA]}
+            holder = {h: x for x in self.all_nodes() if x.value[SWA] is not None for h in x.value[SWA]}
             for p, h in passed_swa.items():
-                if h in kept:
-                    assert any(lo <= p * P and (p + 1) * P <= hi for lo, hi in spans), (
-                        f"SWA page {p} kept outside the retention windows {spans}")
+                x = holder.get(h)
+                if x is None:
+                    continue
+                inside = any(lo <= p * P and (p + 1) * P <= hi for lo, hi in spans)
+                if not self.keep_spare:
+                    assert inside, f"SWA page {p} kept outside the retention windows {spans}"
+                elif p * P >= pre:  # a new node: spare exactly where no retention window is
+                    assert bool(x.spare >> SWA & 1) != inside, (
+                        f"SWA page {p} on {x!r}: spare={x.spare >> SWA & 1}, retention windows {spans}")
         if resumable:
             # design.md §3 Retention: the window at the end of a cached sequence is kept
             assert res.node.end == n and res.node.attached, (
@@ -1006,7 +1018,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
         def unbacked():
             got = self.tree.unbacked(x, min_hits)
             exp = [(ci, y) for y in x.path() if y.hits >= min_hits for ci in range(3)
-                   if y.value[ci] is not None and y.host[ci] is None]
+                   if y.value[ci] is not None and y.host[ci] is None and not y.spare >> ci & 1]
             assert got == exp, f"unbacked({x}, {min_hits}) = {got}, the path says {exp}"
             return got
 
@@ -1189,7 +1201,8 @@ class RadixTreeMachine(RuleBasedStateMachine):
             helpers.check_useful_leaves(t)
 
         # every evictable slot is on its component's eviction list of its tier, in the
-        # queue its session references say (Node.where: 1 unreferenced, 2 referenced);
+        # queue its session references and spare bit say (Node.where: 1 unreferenced, 2
+        # referenced, 3 spare);
         # FULL of an internal node is evictable where the other tier holds a copy
         for x in nodes:
             for ci in range(3):
@@ -1198,7 +1211,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
                         continue
                     if ci == FULL and x.children and tier_of(x, not host)[FULL] is None:
                         continue
-                    q = 2 if x.refs[ci] else 1
+                    q = 2 if x.refs[ci] else 3 if x.spare >> ci & 1 else 1
                     w = x.where[3 * host + ci]
                     assert w == q, (
                         f"evictable {'host' if host else 'device'} {NAMES[ci]} slot of {x} "

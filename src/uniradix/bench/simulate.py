@@ -60,8 +60,10 @@ AXES = (("page_size", "--page-size", "tokens per page"),
         ("max_running_requests", "--max-running-requests", "requests in a batch"),
         ("chunked_prefill_size", "--chunked-prefill-size", "prefill tokens per step"),
         ("max_mamba_cache_size", "--max-mamba-cache-size", "recurrent state slots"),
-        ("swa_full_tokens_ratio", "--swa-full-tokens-ratio", "SWA pool as a fraction of FULL"))
-ENGINE_KEYS = ("page_size", "max_total_tokens", "radix_eviction_policy", "max_running_requests",
+        ("swa_full_tokens_ratio", "--swa-full-tokens-ratio", "SWA pool as a fraction of FULL"),
+        ("swa_retention", "--swa-retention", "spare (every window page of a prompt, evicted first) or "
+                                             "windows (only where requests resume)"))
+ENGINE_KEYS = ("page_size", "max_total_tokens", "radix_eviction_policy", "swa_retention", "max_running_requests",
                "chunked_prefill_size", "max_mamba_cache_size", "swa_full_tokens_ratio", "hicache_write_policy",
                "write_through_threshold", "prefetch_threshold", "hicache_storage_prefetch_policy", "context_length",
                "allow_longer_context")
@@ -280,6 +282,7 @@ class Result:
     seconds: float = 0.0
     requests: int = 0
     sessions_open: int = 0  # session references left in the tree at the end
+    windows: str = "-"      # the window retention in effect: spare, windows, or - (no window layers)
 
     @property
     def hit_rate(self) -> float:
@@ -319,6 +322,7 @@ def replay(traffic: Traffic, model, config: dict) -> Result:
                        **engine_settings(config))
     sessions = config.get("sessions", "on") == "on"
     res = Result(config=dict(config))
+    res.windows = "spare" if eng.cache.spare_windows else "windows" if eng.cache.windowed else "-"
     reqs = traffic.requests
     N = len(reqs)
     arrival = reqs.arrival
@@ -488,7 +492,7 @@ def _values(axis: str, text: str) -> list:
             if v not in ("on", "off"):
                 raise ValueError(f"--{axis}: use on, off or on,off, got {v!r}")
             out.append(v)
-        elif axis == "radix_eviction_policy":
+        elif axis in ("radix_eviction_policy", "swa_retention"):
             out.append(v)
         elif axis in ("hicache_ratio", "hicache_size") and v == "off":
             out.append("off")
@@ -519,14 +523,15 @@ def _tier(c: dict) -> tuple[str, str]:
 
 
 def print_results(results: list[Result], out, by_round: bool) -> None:
-    head = (f"{'page':>5}{'L1 tokens':>11}{'L2':>9}{'L3':>5}{'policy':>9}{'sessions':>9}{'batch':>6}"
+    head = (f"{'page':>5}{'L1 tokens':>11}{'L2':>9}{'L3':>5}{'policy':>9}{'windows':>8}{'sessions':>9}{'batch':>6}"
             f"{'hit rate':>9}{'device':>8}{'host':>7}{'storage':>8}{'preempt':>8}{'req/s':>8}")
     print(head, file=out)
     for r in results:
         c, rt = r.config, r.rates
         l2, l3 = _tier(c)
         print(f"{c.get('page_size'):>5}{c.get('max_total_tokens'):>11,}{l2:>9}{l3:>5}"
-              f"{c.get('radix_eviction_policy'):>9}{c.get('sessions'):>9}{c.get('max_running_requests'):>6}"
+              f"{c.get('radix_eviction_policy'):>9}{r.windows:>8}{c.get('sessions'):>9}"
+              f"{c.get('max_running_requests'):>6}"
               f"{r.hit_rate:>9.1%}{rt.get('cached_device', 0):>8.1%}{rt.get('cached_host', 0):>7.1%}"
               f"{rt.get('cached_storage', 0):>8.1%}{r.preemptions:>8}{r.requests / max(r.seconds, 1e-9):>8.0f}",
               file=out)

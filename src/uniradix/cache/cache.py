@@ -23,6 +23,10 @@ _NEG = array("i", (-1,))
 
 _HOST = HostTierConfig()  # the defaults, declared once in config
 
+#: spare windows never fill the last 1/SPARE_RESERVE of their pool: what allocates
+#: without evicting anything cached (a verify step's drafts) finds it free
+SPARE_RESERVE = 8
+
 
 class UnifiedRadixCache(Running, Finishing):
     """tree: a RadixTree over the model's components; pools: per component name, an
@@ -49,6 +53,8 @@ class UnifiedRadixCache(Running, Finishing):
             raise ValueError("the cache drives one checkpoint component (one recurrent state per request)")
         self.ckpt = ckpts[0] if ckpts else None
         self.windowed = [c for c in self.page_comps if c.window is not None]
+        #: windowed KV a prompt leaves behind stays in the tree as spares (keep_spare)
+        self.spare_windows = any(getattr(c, "keep_spare", False) for c in self.windowed)
         self.copy_checkpoints = copy_checkpoints and self.ckpt is not None and \
             hasattr(self.pools[self.ckpt.index], "copy_slot")
         self._one_slot = [0] * len(self.pools)  # add_checkpoint's need
@@ -65,6 +71,9 @@ class UnifiedRadixCache(Running, Finishing):
             self.host = HostTier(tree, self.pools, [host_pools[n] for n in tree.names], write_policy,
                                  self.write_min_hits, self.ckpt.index if self.ckpt else None)
         self.ledger = Ledger(tree, self.pools, self.host)
+        for c in self.windowed:  # spares never take the last SPARE_RESERVE share of their pool
+            if getattr(c, "keep_spare", False):
+                self.ledger.spare_reserve[c.index] = -(-self.pools[c.index].size // SPARE_RESERVE)
         if self.host is not None:
             self.host.ledger = self.ledger
         self.lower = None  # the storage tier (set by it): takes what a flush is about to drop

@@ -23,6 +23,10 @@ class Ledger:
         self.pools = pools
         self.host = host
         self.names = tree.names
+        #: component index -> free handles spares may not take (spare windows: the last
+        #: share of a window pool stays free for what allocates without evicting, the
+        #: drafts of a verify step)
+        self.spare_reserve: dict[int, int] = {}
 
     # ------------------------------------------------------------------ freeing
     def free(self, freed: Freed | None) -> None:
@@ -53,6 +57,11 @@ class Ledger:
         little. Handles an eviction frees for a component being allocated go straight to
         the caller (tree -> request: they stay allocated), so only the excess returns."""
         pools = self.pools
+        if evict and self.spare_reserve:
+            for ci, r in self.spare_reserve.items():
+                k = need[ci]
+                if k and pools[ci].available - k < r:
+                    self.free(self.evict_spares(ci, r - pools[ci].available + k))
         short = None
         for ci, k in enumerate(need):
             if k:
@@ -119,6 +128,21 @@ class Ledger:
                     break
                 copy = host.copy_down(ev) if ev.fate == COPY_DOWN else None
                 tree.carry_out(ev, freed, copy)
+        return tree.finish_eviction(freed)
+
+    def evict_spares(self, ci: int, k: int) -> Freed:
+        """At least `k` device handles of component ci from its spare slots alone (fewer
+        when the spares run out); nothing is copied down. Returned, not yet given back."""
+        tree = self.tree
+        if self.host is not None:
+            self.host.sync()
+        freed = tree.freed()
+        out = freed.device[ci]
+        while len(out) < k:
+            ev = tree.next_eviction(ci, spare_only=True)
+            if ev is None:
+                break
+            tree.carry_out(ev, freed)
         return tree.finish_eviction(freed)
 
     def evict(self, want: list[int]) -> Freed:

@@ -188,6 +188,24 @@ class Running:
             req.window_freed = mark
         return freed
 
+    def cache_behind_window(self, req: RequestState, upto: int | None = None) -> bool:
+        """With spare windows: the request's computed tokens go into the tree
+        (cache_unfinished) after each prefill chunk, so every window page of its prompt
+        stays cached (as a spare where no resume point needs it) instead of going back
+        once it falls out of the window, and its lock moves to its computed end: it
+        holds the window its next chunk reads, as when they are freed. Called as a
+        prompt is computed, before release_out_of_window; False when nothing went in
+        (no spare windows, no new whole page)."""
+        if not self.spare_windows:
+            return False
+        P = self.page_size
+        top = page_floor(req.computed if upto is None else min(upto, req.computed), P)
+        top = min(top, page_floor(req.allocated, P))
+        if top <= req.prefix_len or self.shareable(req, top) != top:
+            return False
+        self.cache_unfinished(req, upto=top)
+        return True
+
     def resumed_from(self, req: RequestState, upto: int) -> int:
         """The request's own pages and state were filled from another tier up to `upto`
         (page-aligned, past its prefix): it now resumes there. Its own windowed pages

@@ -49,12 +49,15 @@ class Batching:
         for window pages (others hold them), the newest of them is preempted (what it
         computed is cached) until one can; alone, it can never fit and fails."""
         while True:
+            alone = len(self.running) == 1
             batch, stalled = self._pick(done)
             if batch or not stalled or self.prefetching:
                 return batch
             st = max(stalled, key=lambda s: s.order)
             if len(self.running) > 1:
                 self._preempt(st, done)
+                continue
+            if not alone:  # the others left during the pick (finished, preempted): try it alone
                 continue
             self.running.remove(st)
             self.cache.release(st)
@@ -176,6 +179,12 @@ class Batching:
             _record_prompt_logprobs(st, inp, logits, self._logprobs)
         st.computed += n
         if self.cache.windowed:
+            if prefill and self.keeps_windows:  # the prompt's windows stay cached as spares
+                try:
+                    self.cache.cache_behind_window(st, st.computed)
+                except Exception as e:
+                    self._abort(st, e, done)
+                    return
             self.cache.release_out_of_window(st, st.computed)
         if st.computed < len(st.tokens):
             return  # a prefill chunk short of the end: no logits were computed for it

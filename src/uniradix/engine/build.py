@@ -56,13 +56,22 @@ def build_cache(model, cache: CacheConfig | None = None, host: HostTierConfig | 
         host_plans = {name: replace(plan, accounting_only=True) for name, plan in host_plans.items()}
     check_fits([*plans.values(), *host_plans.values()])
     pools = {name: plan.build() for name, plan in plans.items()}
-    tree = RadixTree([spec.tree_component() for spec in model.states().specs], page_size=cache.page_size,
+    spare = spare_windows(model, cache)
+    tree = RadixTree([spec.tree_component(spare) for spec in model.states().specs], page_size=cache.page_size,
                      eviction_policy=cache.radix_eviction_policy)
     mirrors = None
     if host.enable_hierarchical_cache:
         mirrors = {name: host_mirror(pool, host_plans[name].size) for name, pool in pools.items()}
     return UnifiedRadixCache(tree, pools, host_pools=mirrors, write_policy=host.hicache_write_policy,
                              write_through_threshold=host.write_through_threshold), pools
+
+
+def spare_windows(model, cache: CacheConfig) -> bool:
+    """Whether the window pools keep every page of a prompt as spares (--swa-retention
+    spare): not beside a recurrent state, since a window without a checkpoint at the
+    same boundary resumes nothing."""
+    specs = model.states().specs
+    return cache.swa_retention == "spare" and not any(s.checkpoint for s in specs)
 
 
 def _configs(cache, host, settings) -> tuple[CacheConfig, HostTierConfig]:
@@ -98,7 +107,8 @@ class KVSplit:
     `page_bytes`: what one page of each KV pool takes (0: it only counts); `layers`:
     how many layers each keeps; `ratio`: --swa-full-tokens-ratio as given (None:
     derived); `demand`: a derived window pool's need by part (spec.demand); `specs`:
-    the specs by name."""
+    the specs by name; `spare`: the window pools keep every page of a prompt as
+    spares (spare_windows)."""
 
     page_size: int
     max_total_tokens: int
@@ -109,6 +119,7 @@ class KVSplit:
     layers: dict
     demand: dict
     specs: dict
+    spare: bool = False
 
 
 def kv_split(model, cache: CacheConfig, *, max_running: int = 16, chunk: int = _CHUNK,
@@ -175,7 +186,8 @@ def kv_split(model, cache: CacheConfig, *, max_running: int = 16, chunk: int = _
                              f"to decode into ({floor} pages at page size {P}): no request longer than it could "
                              f"ever finish; raise --swa-full-tokens-ratio, or leave it out (derived from the "
                              f"workload)")
-    return KVSplit(P, cache.max_total_tokens, budget, ratio, sizes, page_bytes, layers, demand, specs)
+    return KVSplit(P, cache.max_total_tokens, budget, ratio, sizes, page_bytes, layers, demand, specs,
+                   spare_windows(model, cache))
 
 
 def _page_bytes(spec, layers, page_size: int) -> int:
@@ -216,6 +228,8 @@ def describe_split(split: KVSplit) -> str:
                          f"({_bytes(split.page_bytes[n] / P * (split.specs[n].window - 1))})" for n in windows)
         line += (f"; a cached token costs {_bytes(per_token)} in the full-attention layers ({_bytes(every)} if every "
                  f"layer kept it), and the window layers {kept}")
+        if split.spare:
+            line += ", and every other page of a prompt as a spare while the pool has room (--swa-retention spare)"
     return line
 
 

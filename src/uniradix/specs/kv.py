@@ -25,8 +25,8 @@ class _KV(StateSpec):
         and the tree's rule both come from it. `pos` may be a tensor."""
         return 0 if self.window is None else first_visible(pos, self.window)
 
-    def tree_component(self):
-        comp = PageComponent(window=self.window)
+    def tree_component(self, keep_spare: bool = False):
+        comp = PageComponent(window=self.window, keep_spare=keep_spare)
         comp.name = self.name
         comp.structural = self.structural
         comp.plans = not self.structural

@@ -27,7 +27,7 @@ class RecurrentState(StateSpec):
     name: str = "mamba"
     checkpoint = True
 
-    def tree_component(self):
+    def tree_component(self, keep_spare: bool = False):
         comp = CheckpointComponent()
         comp.name = self.name
         return comp

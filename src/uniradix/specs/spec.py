@@ -16,8 +16,9 @@ class StateSpec:
     structural = False
     checkpoint = False
 
-    def tree_component(self):
-        """The tree's reuse rule for this state (a fresh `tree.Component`)."""
+    def tree_component(self, keep_spare: bool = False):
+        """The tree's reuse rule for this state (a fresh `tree.Component`); `keep_spare`:
+        a windowed KV keeps every page an insert brings, as spares (design.md §3)."""
         raise NotImplementedError
 
     def pool_plan(self, layers: list, *, page_size: int, size: int, device, what: str, flags: tuple):

@@ -85,9 +85,11 @@ class Component:
         raise NotImplementedError
 
     # --- insert -----------------------------------------------------------------
-    def plan(self, n: int, resume_points: tuple, incoming, prefix_len: int, out: array):
+    def plan(self, n: int, resume_points: tuple, incoming, prefix_len: int, out: array,
+             running: bool = False):
         """For an insert of n tokens, with `resume_points` the page-aligned positions later
-        requests should be able to resume at: (positions where nodes must split so values attach
+        requests should be able to resume at (`running`: the insert of a request that goes
+        on, whose end is not one): (positions where nodes must split so values attach
         to whole nodes, what to keep (passed back to adopt/reconcile), and the position
         below which existing nodes need no reconcile). Handles that can attach nowhere
         go to `out` now."""
@@ -104,14 +106,24 @@ class Component:
 
 
 class PageComponent(Component):
-    """One handle per page; `window` None means the whole prefix is needed."""
+    """One handle per page; `window` None means the whole prefix is needed.
 
-    def __init__(self, window: int | None = None, keep_all: bool = False) -> None:
+    What a windowed component keeps of an insert: by default only the windows at its
+    resume points (the end, the junction, the prompt's end); `keep_all` every page it
+    brings; `keep_spare` every page too, but those no resume point needs are spares
+    (`Node.spare`): eviction takes them before anything else, so they cost only room
+    that would stand empty, and a later request that branches anywhere off the path
+    still finds its window."""
+
+    def __init__(self, window: int | None = None, keep_all: bool = False, keep_spare: bool = False) -> None:
         super().__init__()
         if window is not None and window <= 0:
             raise ValueError(f"{self.name}: window must be positive, got {window}")
+        if keep_all and keep_spare:
+            raise ValueError(f"{self.name}: keep_all and keep_spare are two retentions; choose one")
         self.window = window
         self.keep_all = keep_all
+        self.keep_spare = keep_spare and window is not None and window > 1  # W = 1 reads no page before
         # the tokens before a boundary that the first query resumed there reads: W - 1
         self.reach = None if window is None else 0 - first_visible(0, window)
         self.plans = not self.structural  # FULL has no holes and no retention
@@ -180,7 +192,7 @@ class PageComponent(Component):
     def pin_from(self, nd):
         return 0 if self.window is None else self.window_start(nd.end)
 
-    def plan(self, n, resume_points, incoming, prefix_len, out):
+    def plan(self, n, resume_points, incoming, prefix_len, out, running=False):
         # nodes split where the incoming pages start or stop being present, so that a
         # hole costs only its own span (below prefix_len the pages are the tree's own)
         edges = _presence_edges(incoming, self.page, prefix_len // self.page) \
@@ -188,8 +200,10 @@ class PageComponent(Component):
         W = self.window
         if W is None or self.keep_all:
             return edges, None, prefix_len
-        e = self.window_start(n)
-        cuts, keep = [e], [(e, n)]
+        cuts, keep = [], []
+        if not (running and self.keep_spare):  # a running end: its lock pins the window, and it moves on
+            e = self.window_start(n)
+            cuts, keep = [e], [(e, n)]
         for jn in resume_points:  # page-aligned positions later requests may resume at
             if jn <= 0:
                 continue
@@ -212,8 +226,13 @@ class PageComponent(Component):
         v = incoming[nd.start // P: nd.end // P]
         if self.structural:
             nd.value[self.index] = v  # FULL comes whole (checked by the caller's length)
-        elif (keep is None or self._kept(keep, nd.start, nd.end)) and _ABSENT not in v.tobytes():
+        elif _ABSENT in v.tobytes():
+            _release(v, out)
+        elif keep is None or self._kept(keep, nd.start, nd.end):
             nd.value[self.index] = v
+        elif self.keep_spare:
+            nd.value[self.index] = v
+            nd.spare |= 1 << self.index
         else:
             _release(v, out)
 
@@ -223,10 +242,15 @@ class PageComponent(Component):
         P = self.page
         s = nd.start if nd.start > prefix_len else prefix_len
         v = incoming[s // P: nd.end // P]
-        if nd.value[self.index] is None and s == nd.start and self._kept(keep, nd.start, nd.end) \
-                and _all_present(v):
-            nd.value[self.index] = v  # heals a tombstone
-            return True
+        if nd.value[self.index] is None and s == nd.start and _all_present(v):
+            if self._kept(keep, nd.start, nd.end):
+                nd.value[self.index] = v  # heals a tombstone
+                nd.spare &= ~(1 << self.index)
+                return True
+            if self.keep_spare:
+                nd.value[self.index] = v  # heals it as a spare
+                nd.spare |= 1 << self.index
+                return True
         _release(v, out)
         return False
 
@@ -297,7 +321,7 @@ class CheckpointComponent(Component):
         ci = self.index
         return -1 if nd.value[ci] is not None or nd.host[ci] is not None else None
 
-    def plan(self, n, resume_points, incoming, prefix_len, out):
+    def plan(self, n, resume_points, incoming, prefix_len, out, running=False):
         if not incoming:
             return (), None, n
         P = self.page

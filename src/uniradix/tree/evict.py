@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from array import array
 
+from .eviction import tier_of
 from .node import Node
 from .results import EvictResult, Freed
 
@@ -63,13 +64,13 @@ class Evicting:
         evictable (locked, given children, dropped) are left in place and skipped at
         pop; a node removed from the tree leaves every list (_remove)."""
         if self._evictable(ci, nd, host):
-            (self.host_lists if host else self.lists)[ci].place(nd, 2 if nd.refs[ci] else 1)
+            (self.host_lists if host else self.lists)[ci].place(nd, tier_of(nd, ci))
 
-    def _pop(self, ci: int, host: bool = False):
+    def _pop(self, ci: int, host: bool = False, spare_only: bool = False):
         """The next evictable slot of component ci in one tier, dropping stale entries."""
         lst = (self.host_lists if host else self.lists)[ci]
         while True:
-            nd = lst.pop()
+            nd = lst.pop(spare_only)
             if nd is None or self._evictable(ci, nd, host):
                 return nd
 
@@ -92,16 +93,19 @@ class Evicting:
         return Freed(self.names)
 
     # ------------------------------------------------------------------ the plan, slot by slot
-    def next_eviction(self, ci: int, host: bool = False) -> Eviction | None:
+    def next_eviction(self, ci: int, host: bool = False, spare_only: bool = False) -> Eviction | None:
         """Pop the next slot of component ci in one tier and say what becomes of it;
-        None when nothing of it is evictable. Apply with carry_out."""
-        nd = self._pop(ci, host)
+        None when nothing of it is evictable (with `spare_only`, no spare is). Apply
+        with carry_out."""
+        nd = self._pop(ci, host, spare_only)
         if nd is None:
             return None
         if host:
             return Eviction(nd, ci, True, DROP_COPY if nd.value[ci] is not None else LOSE)
         if nd.host[ci] is not None:
             return Eviction(nd, ci, False, DROP_COPY)
+        if nd.spare >> ci & 1:  # a spare costs only room that would stand empty: never copied down
+            return Eviction(nd, ci, False, LOSE)
         return Eviction(nd, ci, False, COPY_DOWN, ci == 0 and bool(nd.children))
 
     def carry_out(self, ev: Eviction, freed: Freed, copy: array | None = None) -> None:

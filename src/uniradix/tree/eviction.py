@@ -1,9 +1,9 @@
 """Per-component eviction order: pluggable base policy, session references rank last.
 
-A component's evictable slots sit in one of two tiers: unreferenced (ordered by the
-base policy) and session-referenced (ordered by reference count, then the base
-policy). Eviction drains the first tier before touching the second, which is the
-order (has references, number of references, base policy).
+A component's evictable slots sit in one of three tiers: spare (data no resume point
+needs, kept while there is room), unreferenced (both ordered by the base policy) and
+session-referenced (ordered by reference count, then the base policy). Eviction drains
+them in that order: (spare, has references, number of references, base policy).
 
 LRU and FIFO keys only grow when a node is touched, so they live in an ordered dict
 (O(1) touch, O(1) pop); the few nodes that re-enter with an old key (a parent that
@@ -137,6 +137,14 @@ def base_queue(policy: str):
     raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
 
+def tier_of(nd, ci: int) -> int:
+    """The queue slot (nd, ci) belongs in when evictable: referenced by a session (2),
+    spare (3), or neither (1)."""
+    if nd.refs[ci]:
+        return 2
+    return 3 if nd.spare >> ci & 1 else 1
+
+
 def base_key(policy: str):
     return {"lru": lambda nd: nd.tick, "fifo": lambda nd: nd.created,
             "lfu": _lfu_key, "priority": _priority_key}[policy]
@@ -147,7 +155,7 @@ class EvictionList:
     `slot`: where in Node.where this list records membership (the component index for
     the device tier, nc + index for the host tier)."""
 
-    __slots__ = ("ci", "slot", "plain", "ref", "_queues")
+    __slots__ = ("ci", "slot", "plain", "ref", "spare", "_queues")
 
     def __init__(self, ci: int, policy: str, slot: int | None = None):
         self.ci = ci
@@ -155,10 +163,12 @@ class EvictionList:
         self.plain = base_queue(policy)
         bk = base_key(policy)
         self.ref = HeapQueue(lambda nd, ci=ci, bk=bk: (nd.refs[ci], bk(nd)))
-        self._queues = (None, self.plain, self.ref)
+        self.spare = base_queue(policy)
+        self._queues = (None, self.plain, self.ref, self.spare)
 
     def place(self, nd, tier: int) -> None:
-        """Put nd in tier 1 (unreferenced) or 2 (session-referenced); tier 0 takes it out."""
+        """Put nd in tier 1 (unreferenced), 2 (session-referenced) or 3 (spare); tier 0
+        takes it out."""
         cur = nd.where[self.slot]
         if cur == tier:
             if tier == 2:
@@ -175,8 +185,12 @@ class EvictionList:
         if tier:
             self._queues[tier].touch(nd)
 
-    def pop(self):
-        nd = self.plain.pop()
+    def pop(self, spare_only: bool = False):
+        nd = self.spare.pop()
+        if nd is None:
+            if spare_only:
+                return None
+            nd = self.plain.pop()
         if nd is None:
             nd = self.ref.pop()
             if nd is None:

@@ -41,12 +41,12 @@ class Inserting:
         if self._single:
             return self._insert_whole_prefix(key, n, full_in, prefix_len, path, root, existing, freed,
                                              priority, lock)
-        points = _resume_points(resume_points, n, P)
+        points = _resume_points(resume_points, n, P, lock)
         # boundaries the components need, then values attach to whole nodes
         plans, cuts = [], set()
         leaf = existing < n  # one new leaf, nothing to split or reconcile: _insert_leaf
         for c, v, out in zip(self.components, inc, freed.device):
-            plan = c.plan(n, points, v, prefix_len, out) if c.plans else ((), None, prefix_len)
+            plan = c.plan(n, points, v, prefix_len, out, lock) if c.plans else ((), None, prefix_len)
             plans.append(plan)
             for p in plan[0]:
                 if 0 < p < n:  # plan() gives aligned ones
@@ -54,6 +54,7 @@ class Inserting:
             if plan[2] < existing:
                 leaf = False
         if leaf and cuts <= {existing}:
+            self._unspare(path, plans)
             return self._insert_leaf(key, n, inc, plans, path, root, existing, freed, priority, lock)
         return self._insert_general(key, n, inc, plans, cuts, prefix_len, path, root, existing, freed,
                                     priority, lock)
@@ -112,10 +113,15 @@ class Inserting:
         self._touch_path(path, priority)
         leaf.created = leaf.tick
         lists, w = self.lists, leaf.where
+        spare = leaf.spare
         for ci, v in enumerate(leaf.value):
             if v is not None:
-                lists[ci].plain.add(leaf)
-                w[ci] = 1
+                if spare >> ci & 1:
+                    lists[ci].spare.add(leaf)
+                    w[ci] = 3
+                else:
+                    lists[ci].plain.add(leaf)
+                    w[ci] = 1
         if lock:
             return InsertResult(leaf, existing, freed, self.lock(leaf))
         if not self._useful(leaf):
@@ -134,6 +140,7 @@ class Inserting:
                     split |= self._ensure_boundary(path[-1], p)
             if split:
                 path = path[-1].path()
+        self._unspare(path, plans)
         new = self._new_chain(key, n, points, path[-1] if path else root, existing)
         changed = self._attach_values(inc, plans, prefix_len, path, new, freed)
         touched = path + new if new else path
@@ -144,8 +151,12 @@ class Inserting:
             w = x.where
             for ci, v in enumerate(x.value):  # fresh: unlocked, unreferenced
                 if v is not None and (ci or not x.children):
-                    lists[ci].plain.add(x)
-                    w[ci] = 1
+                    if x.spare >> ci & 1:
+                        lists[ci].spare.add(x)
+                        w[ci] = 3
+                    else:
+                        lists[ci].plain.add(x)
+                        w[ci] = 1
         for x in changed:
             self._place_all(x)
         end = touched[-1] if touched else root
@@ -156,6 +167,28 @@ class Inserting:
             self._remove(end, freed)
             end = self._prune_up(parent, freed)
         return InsertResult(end, existing, freed)
+
+    def _unspare(self, path: list[Node], plans) -> None:
+        """Spare slots on the matched path that this insert's resume points need are
+        spares no more (a request branched off there, or its prompt ended there): they
+        rank as any other slot again."""
+        for c, (_, keep, _) in zip(self.components, plans):
+            if not keep or not getattr(c, "keep_spare", False):
+                continue
+            ci, bit = c.index, 1 << c.index
+            lo = min(k[0] for k in keep)
+            for x in reversed(path):
+                if x.end <= lo:
+                    break
+                if x.spare & bit and c._kept(keep, x.start, x.end):
+                    x.spare &= ~bit
+                    if x.where[ci] == 3:
+                        self.lists[ci].place(x, 0)
+                    self._place(ci, x)
+                    if self.hosted:
+                        if x.where[self.nc + ci] == 3:
+                            self.host_lists[ci].place(x, 0)
+                        self._place(ci, x, True)
 
     def _new_chain(self, key, n: int, points, parent: Node, existing: int) -> list[Node]:
         """New nodes for [existing, n), cut at the points past existing."""
@@ -201,10 +234,11 @@ class Inserting:
         return nn
 
 
-def _resume_points(points, n: int, P: int) -> tuple:
-    """The page-aligned positions in (0, n] later requests should resume at."""
+def _resume_points(points, n: int, P: int, running: bool = False) -> tuple:
+    """The page-aligned positions in (0, n] later requests should resume at; one past
+    the end stands for the end, except in a running request's insert (it is yet to come)."""
     if points is None:
         return ()
     if isinstance(points, int):
-        return (page_floor(min(points, n), P),) if points > 0 else ()
-    return tuple(sorted({page_floor(min(j, n), P) for j in points if j > 0}))
+        points = (points,)
+    return tuple(sorted({page_floor(min(j, n), P) for j in points if 0 < j and (j <= n or not running)}))

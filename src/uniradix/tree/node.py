@@ -10,11 +10,14 @@ class Node:
 
     `where[c]` (device) and `where[nc + c]` (host) record which eviction queue of
     component c holds the node (0: none, 1: unreferenced, 2: session-referenced), so
-    membership changes are O(1).
+    membership changes are O(1); 3 is the spare queue, drained first.
+
+    `spare`: a bit per component whose slot here holds data no resume point needs
+    (window KV kept while there is room; see PageComponent `keep_spare`).
     """
 
     __slots__ = ("key", "start", "end", "parent", "children", "value", "host", "locks", "refs",
-                 "where", "tick", "created", "hits", "priority", "attached")
+                 "where", "tick", "created", "hits", "priority", "attached", "spare")
 
     def __init__(self, key: bytes, start: int, end: int, parent: "Node | None", ncomp: int, tick: int = 0):
         self.key = key
@@ -32,6 +35,7 @@ class Node:
         self.hits = 0
         self.priority = 0
         self.attached = True
+        self.spare = 0
 
     def path(self) -> list["Node"]:
         """Nodes from the root's first child down to this node."""

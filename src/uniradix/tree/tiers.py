@@ -72,14 +72,15 @@ class Tiers:
 
     def unbacked(self, nd: Node, min_hits: int = 0) -> list[tuple[int, Node]]:
         """(component index, node) of the device slots on the path to nd that the host
-        tier has no copy of, root side first; with `min_hits`, only on nodes accessed at
-        least that often (selective write-through)."""
+        tier has no copy of, root side first, spares aside (room on the device that would
+        stand empty, not worth a copy); with `min_hits`, only on nodes accessed at least
+        that often (selective write-through)."""
         out = []
         for x in nd.path():
             if x.hits < min_hits:
                 continue
             for ci in range(self.nc):
-                if x.value[ci] is not None and x.host[ci] is None:
+                if x.value[ci] is not None and x.host[ci] is None and not x.spare >> ci & 1:
                     out.append((ci, x))
         return out
 

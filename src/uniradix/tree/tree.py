@@ -215,7 +215,7 @@ class RadixTree(Inserting, Locking, Tiers, Evicting):
         P, unit = self.page_size, self.unit
         kb = k * TOKEN_BYTES
         up = Node(nd.key[:kb], nd.start, nd.start + k, nd.parent, self.nc, nd.tick)
-        up.created, up.hits, up.priority = nd.created, nd.hits, nd.priority
+        up.created, up.hits, up.priority, up.spare = nd.created, nd.hits, nd.priority, nd.spare
         nd.parent.children[nd.key[:unit]] = up
         nd.key = nd.key[kb:]
         nd.start += k
