@@ -37,6 +37,19 @@ def _family(rng, n=4, pre=PRE, own=(23, 31, 40, 17), out=3):
     return trunk, reqs
 
 
+def _serve_family(eng):
+    """_family's requests served together, each exact; the leader computes its whole
+    prompt. Returns (requests, followers, prompt tokens)."""
+    _, reqs = _family(random.Random(1))
+    run_checked(eng, reqs)
+    for r in reqs:
+        check_exact(eng, r)
+        check_work(r)
+    lead = reqs[0]
+    assert lead.metrics.cached_tokens == 0 and lead.metrics.computed_tokens == len(lead.input_ids)
+    return reqs, reqs[1:], sum(len(r.input_ids) for r in reqs)
+
+
 def _step_checked(eng, steps=1):
     for _ in range(steps):
         eng.step()
@@ -48,16 +61,9 @@ def _step_checked(eng, steps=1):
 @pytest.mark.parametrize("chunk", [256, 48])
 def test_requests_submitted_together_compute_their_shared_preamble_once(make_engine, name, page, chunk):
     eng = make_engine(name, page_size=page, chunked_prefill_size=chunk)
-    _, reqs = _family(random.Random(1))
-    run_checked(eng, reqs)
-    for r in reqs:
-        check_exact(eng, r)
-        check_work(r)
-    lead, followers = reqs[0], reqs[1:]
-    assert lead.metrics.cached_tokens == 0 and lead.metrics.computed_tokens == len(lead.input_ids)
+    reqs, followers, prompts = _serve_family(eng)
     for r in followers:  # each resumes where the preamble ends: it computes its own part only
         assert r.metrics.cached_tokens == page_floor(PRE, page), (r.rid, r.metrics)
-    prompts = sum(len(r.input_ids) for r in reqs)
     assert sum(r.metrics.computed_tokens for r in reqs) == prompts - 3 * page_floor(PRE, page)
     assert eng.counters["shared_prefixes"] >= 1
 
@@ -291,15 +297,8 @@ def test_with_spare_windows_followers_resume_from_the_leaders_chunks(make_engine
     chunk: a follower resumes at the shared preamble's end, or where the leader's last
     chunk put it, when waiting for the rest would save it too little; outputs exact."""
     eng = make_engine(name, page_size=page, chunked_prefill_size=chunk, swa_retention="spare")
-    _, reqs = _family(random.Random(1))
-    run_checked(eng, reqs)
-    for r in reqs:
-        check_exact(eng, r)
-        check_work(r)
-    lead, followers = reqs[0], reqs[1:]
-    assert lead.metrics.cached_tokens == 0 and lead.metrics.computed_tokens == len(lead.input_ids)
+    reqs, followers, prompts = _serve_family(eng)
     for r in followers:
         gap = page_floor(PRE, page) - r.metrics.cached_tokens
         assert 0 <= gap < max(MIN_SHARED_TOKENS, page), (r.rid, r.metrics)
-    prompts = sum(len(r.input_ids) for r in reqs)
     assert sum(r.metrics.computed_tokens for r in reqs) == prompts - sum(r.metrics.cached_tokens for r in followers)
