@@ -48,6 +48,8 @@ class Component:
     plans = True
     #: one handle per request (a recurrent state), valid at one boundary, rather than per page
     checkpoint = False
+    #: keeps what no resume point needs as spares (PageComponent)
+    keep_spare = False
 
     def __init__(self) -> None:
         self.index = -1

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from array import array
 
-from .eviction import tier_of
 from .node import Node
 from .results import EvictResult, Freed
 
@@ -64,7 +63,8 @@ class Evicting:
         evictable (locked, given children, dropped) are left in place and skipped at
         pop; a node removed from the tree leaves every list (_remove)."""
         if self._evictable(ci, nd, host):
-            (self.host_lists if host else self.lists)[ci].place(nd, tier_of(nd, ci))
+            (self.host_lists if host else self.lists)[ci].place(
+                nd, 2 if nd.refs[ci] else 3 if nd.spare >> ci & 1 else 1)  # referenced, spare, plain
 
     def _pop(self, ci: int, host: bool = False, spare_only: bool = False):
         """The next evictable slot of component ci in one tier, dropping stale entries."""

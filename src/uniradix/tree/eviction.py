@@ -137,14 +137,6 @@ def base_queue(policy: str):
     raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(POLICIES)}")
 
 
-def tier_of(nd, ci: int) -> int:
-    """The queue slot (nd, ci) belongs in when evictable: referenced by a session (2),
-    spare (3), or neither (1)."""
-    if nd.refs[ci]:
-        return 2
-    return 3 if nd.spare >> ci & 1 else 1
-
-
 def base_key(policy: str):
     return {"lru": lambda nd: nd.tick, "fifo": lambda nd: nd.created,
             "lfu": _lfu_key, "priority": _priority_key}[policy]
@@ -155,7 +147,7 @@ class EvictionList:
     `slot`: where in Node.where this list records membership (the component index for
     the device tier, nc + index for the host tier)."""
 
-    __slots__ = ("ci", "slot", "plain", "ref", "spare", "_queues")
+    __slots__ = ("ci", "slot", "plain", "ref", "spare", "spares", "_queues")
 
     def __init__(self, ci: int, policy: str, slot: int | None = None):
         self.ci = ci
@@ -164,6 +156,7 @@ class EvictionList:
         bk = base_key(policy)
         self.ref = HeapQueue(lambda nd, ci=ci, bk=bk: (nd.refs[ci], bk(nd)))
         self.spare = base_queue(policy)
+        self.spares = False  # whether a spare was ever listed: most trees never list one
         self._queues = (None, self.plain, self.ref, self.spare)
 
     def place(self, nd, tier: int) -> None:
@@ -178,6 +171,8 @@ class EvictionList:
             self._queues[cur].discard(nd)
         if tier:
             self._queues[tier].add(nd)
+            if tier == 3:
+                self.spares = True
         nd.where[self.slot] = tier
 
     def touch(self, nd) -> None:
@@ -186,7 +181,7 @@ class EvictionList:
             self._queues[tier].touch(nd)
 
     def pop(self, spare_only: bool = False):
-        nd = self.spare.pop()
+        nd = self.spare.pop() if self.spares else None
         if nd is None:
             if spare_only:
                 return None

@@ -54,7 +54,8 @@ class Inserting:
             if plan[2] < existing:
                 leaf = False
         if leaf and cuts <= {existing}:
-            self._unspare(path, plans)
+            if self._spares:
+                self._unspare(path, plans)
             return self._insert_leaf(key, n, inc, plans, path, root, existing, freed, priority, lock)
         return self._insert_general(key, n, inc, plans, cuts, prefix_len, path, root, existing, freed,
                                     priority, lock)
@@ -117,8 +118,7 @@ class Inserting:
         for ci, v in enumerate(leaf.value):
             if v is not None:
                 if spare >> ci & 1:
-                    lists[ci].spare.add(leaf)
-                    w[ci] = 3
+                    lists[ci].place(leaf, 3)
                 else:
                     lists[ci].plain.add(leaf)
                     w[ci] = 1
@@ -140,7 +140,8 @@ class Inserting:
                     split |= self._ensure_boundary(path[-1], p)
             if split:
                 path = path[-1].path()
-        self._unspare(path, plans)
+        if self._spares:
+            self._unspare(path, plans)
         new = self._new_chain(key, n, points, path[-1] if path else root, existing)
         changed = self._attach_values(inc, plans, prefix_len, path, new, freed)
         touched = path + new if new else path
@@ -152,8 +153,7 @@ class Inserting:
             for ci, v in enumerate(x.value):  # fresh: unlocked, unreferenced
                 if v is not None and (ci or not x.children):
                     if x.spare >> ci & 1:
-                        lists[ci].spare.add(x)
-                        w[ci] = 3
+                        lists[ci].place(x, 3)
                     else:
                         lists[ci].plain.add(x)
                         w[ci] = 1
@@ -173,7 +173,7 @@ class Inserting:
         spares no more (a request branched off there, or its prompt ended there): they
         rank as any other slot again."""
         for c, (_, keep, _) in zip(self.components, plans):
-            if not keep or not getattr(c, "keep_spare", False):
+            if not keep or not c.keep_spare:
                 continue
             ci, bit = c.index, 1 << c.index
             lo = min(k[0] for k in keep)
@@ -240,5 +240,5 @@ def _resume_points(points, n: int, P: int, running: bool = False) -> tuple:
     if points is None:
         return ()
     if isinstance(points, int):
-        points = (points,)
+        return (page_floor(min(points, n), P),) if 0 < points and (points <= n or not running) else ()
     return tuple(sorted({page_floor(min(j, n), P) for j in points if 0 < j and (j <= n or not running)}))

@@ -6,7 +6,6 @@ last for eviction without pinning them."""
 from __future__ import annotations
 
 from .keys import session_key
-from .eviction import tier_of
 from .node import Node
 from .results import Freed, LockReceipt
 
@@ -98,7 +97,7 @@ class Locking:
                 if v is not None:
                     dev += len(v)
                     if ci or not nd.children:  # the common case, inline
-                        tier = tier_of(nd, ci)
+                        tier = 2 if nd.refs[ci] else 3 if nd.spare >> ci & 1 else 1
                         if tier == 2 or nd.where[ci] != tier:
                             self.lists[ci].place(nd, tier)
                     elif hosted:  # without a host tier every child holds FULL on the device

@@ -87,6 +87,7 @@ class RadixTree(Inserting, Locking, Tiers, Evicting):
         self.num_nodes = 0
         self.sessions: dict[tuple, LockReceipt] = {}  # by keys.session_key(id, salt)
         self._single = self.nc == 1      # the one-component fast paths (off once a host tier is used)
+        self._spares = any(c.keep_spare for c in self.components)  # a component keeps spares
         self.hosted = False               # some slot has been given a host copy
         self._rules = self.components[1:]  # components that can make a leaf useless
         self._kept: list[Node] = []  # FULL an eviction had to keep (see finish_eviction)
