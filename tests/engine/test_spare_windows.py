@@ -114,3 +114,27 @@ def test_a_pool_full_of_spares_leaves_a_verify_step_its_drafts(make_engine):
     assert eng.counters["spec_verify_steps"] > before["spec_verify_steps"]
     assert eng.counters["spec_no_room"] == before["spec_no_room"], "a verify step found no room for its drafts"
     assert len(r.output_ids) == 12
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_speculation_keeps_every_hit_when_spares_fill_the_pool(make_engine, page):
+    """Questions about documents that outgrow a small window pool, one after another, with
+    speculation off and on (drafts every step, partly right): every request caches the
+    same tokens, the branches inside a document included, and the replies are the same."""
+    kw = dict(page_size=page, chunked_prefill_size=16, max_total_tokens=1024, swa_full_tokens_ratio=0.15)
+    off, on = make_engine("gemma3-like", **kw), speculating(make_engine("gemma3-like", **kw, **SPECULATE))
+    rng = random.Random(70 + page)
+    docs = [toks(rng, 90) for _ in range(4)]
+    plan = [(d, q) for q in range(3) for d in (0, 1, 2, 3, 1, 0)]
+    prompts = [docs[d] + [3 + q] + toks(rng, 6) for d, q in plan]
+    cached = {}
+    for name, eng in (("off", off), ("on", on)):
+        reqs = [greedy(p, 8) for p in prompts]
+        for r in reqs:
+            run_checked(eng, [r])
+            check_exact(eng, r)
+        cached[name] = [r.metrics.cached_tokens for r in reqs], [r.output_ids for r in reqs]
+        assert eng.cache.tree.evicted[eng.cache.tree.index["swa"]] > 0, "the pool never filled"
+    assert cached["on"] == cached["off"]
+    assert sum(c >= page_floor(90, page) for c in cached["off"][0]) > len(prompts) // 3  # branches resumed
+    assert on.counters["spec_verify_steps"] > 0
