@@ -54,7 +54,7 @@ class UnifiedRadixCache(Running, Finishing):
         self.ckpt = ckpts[0] if ckpts else None
         self.windowed = [c for c in self.page_comps if c.window is not None]
         #: windowed KV a prompt leaves behind stays in the tree as spares (keep_spare)
-        self.spare_windows = any(getattr(c, "keep_spare", False) for c in self.windowed)
+        self.spare_windows = any(c.keep_spare for c in self.windowed)
         self.copy_checkpoints = copy_checkpoints and self.ckpt is not None and \
             hasattr(self.pools[self.ckpt.index], "copy_slot")
         self._one_slot = [0] * len(self.pools)  # add_checkpoint's need
@@ -72,7 +72,7 @@ class UnifiedRadixCache(Running, Finishing):
                                  self.write_min_hits, self.ckpt.index if self.ckpt else None)
         self.ledger = Ledger(tree, self.pools, self.host)
         for c in self.windowed:  # spares never take the last SPARE_RESERVE share of their pool
-            if getattr(c, "keep_spare", False):
+            if c.keep_spare:
                 self.ledger.spare_reserve[c.index] = -(-self.pools[c.index].size // SPARE_RESERVE)
         if self.host is not None:
             self.host.ledger = self.ledger
