@@ -138,3 +138,23 @@ def test_speculation_keeps_every_hit_when_spares_fill_the_pool(make_engine, page
     assert cached["on"] == cached["off"]
     assert sum(c >= page_floor(90, page) for c in cached["off"][0]) > len(prompts) // 3  # branches resumed
     assert on.counters["spec_verify_steps"] > 0
+
+
+def test_an_aborted_prompt_leaves_the_chunks_it_computed(make_engine):
+    """A request aborted part way through its prompt gives back all it holds, and the
+    chunks it already put in the tree stay there: the same prompt again resumes after
+    them (and the audit settles)."""
+    eng = make_engine("gemma3-like", page_size=4, chunked_prefill_size=16)
+    rng = random.Random(21)
+    prompt = toks(rng, 6 * W)
+    first = greedy(prompt, 4)
+    eng.submit(first)
+    while eng.running or eng.waiting:
+        eng.step()
+        st = next((s for s in eng.running if s.owner is first), None)
+        if st is not None and st.computed >= 3 * W:
+            break
+    done = page_floor(st.computed, 4)
+    assert eng.abort(first) and first.status == "aborted"
+    again = _serve(eng, prompt)
+    assert again.metrics.cached_tokens >= done

@@ -50,7 +50,9 @@ class Finishing:
         return node
 
     def release(self, req: RequestState) -> None:
-        """Abort: free everything the request owns and unlock, caching nothing."""
+        """Abort: free everything the request owns and unlock, caching nothing more (what
+        it already handed the tree stays: a prefix it shared, its prompt's chunks with
+        spare windows)."""
         if self.host is not None:
             self.host.sync()  # a load may still be writing its state slot
             if req.staged is not None:

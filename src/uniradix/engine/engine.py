@@ -247,8 +247,8 @@ class Engine(Admission, Batching, Speculation):
         done.append(req)
 
     def _drop(self, st: RequestState) -> None:
-        """Take a request out of every queue and give back all it holds; nothing of it
-        is cached."""
+        """Take a request out of every queue and give back all it holds; nothing more of
+        it is cached (cache.release)."""
         for queue in (self.running, self.waiting):
             if st in queue:
                 queue.remove(st)
@@ -262,8 +262,9 @@ class Engine(Admission, Batching, Speculation):
 
     def abort(self, req: Request, why: str = "aborted") -> bool:
         """Cancel a request that has not finished (its client went away): it leaves its
-        queue and its pages, state slots and locks go back at once; the prefix it matched
-        stays cached. False when it is not in this engine (never submitted, or done)."""
+        queue and its pages, state slots and locks go back at once; the prefix it matched,
+        and what of its prompt it had already put in the tree, stay cached. False when it
+        is not in this engine (never submitted, or done)."""
         st = next((s for s in (*self.running, *self.waiting, *self.prefetching) if s.owner is req), None)
         if st is None or req.done:
             return False
