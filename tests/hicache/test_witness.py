@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 from engine_checks import check_exact, greedy  # noqa: E402
@@ -451,4 +452,42 @@ def test_another_arithmetic_never_shares_objects(tmp_path):
     check_exact(c, r3)
     assert r3.metrics.storage_tokens > 0
     for e in (a, b, c):
+        e.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_bfloat16_on_amx_tiles_shares_objects_only_with_amx_tiles(tmp_path, dtype):
+    """On a CPU with AMX, bfloat16 products take its tiles: another arithmetic than the
+    vector path's chain (a CPU without them), so a bfloat16 model's witness names it and
+    KV written with the tiles is refused where they are off (and the other way round),
+    while a float32 model, computed the same everywhere, still shares its objects."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model" / "hf"))
+    from harness import make_tiny
+
+    from uniradix.model import kernels
+    from uniradix.model.hf import load_checkpoint
+    if not kernels.amx_bfloat16():
+        pytest.skip("no AMX bfloat16 tiles on this CPU")
+    path = make_tiny("qwen3", str(tmp_path / "ckpt"))
+    store = tmp_path / "l3"
+
+    def eng():
+        return Engine(load_checkpoint(path, dtype=dtype), page_size=4, max_total_tokens=2048,
+                      storage=FileBackend(str(store)), prefetch_threshold=1)
+
+    a = eng()
+    rng = random.Random(7)
+    r = greedy([rng.randrange(8, 200) for _ in range(60)], 4)
+    a.run([r])
+    assert a.stats()["storage_saved_objects"] > 0
+    with kernels.no_amx():
+        b = eng()
+        r2 = greedy(r.input_ids + r.output_ids + [9, 10, 11], 4)
+        b.run([r2])
+        check_exact(b, r2)
+        if dtype is torch.bfloat16:
+            assert r2.metrics.storage_tokens == 0 and b.stats()["storage"]["witness"]["state"] == "refused"
+        else:
+            assert r2.metrics.storage_tokens > 0
+    for e in (a, b):
         e.close()

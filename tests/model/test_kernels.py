@@ -307,18 +307,66 @@ def test_rope_values_do_not_depend_on_the_positions_asked_with_them():
 def test_a_product_converts_its_input_and_rounds_its_output_as_torch_would(dtype):
     """16-bit activations are read and a bfloat16 output rounded inside the one call
     (ur_linear_io), and rows that lie apart (a fused product's part) are read where they
-    are: the bits of the float32 product over x.float(), rounded by torch's .to()."""
+    are: the bits of the float32 product over x.float(), rounded by torch's .to(). (Of
+    the vector path's chain: a bfloat16 x bfloat16 product on AMX's tiles is another
+    arithmetic, so there AMX is off; test_bfloat16_products_on_amx_tiles checks its
+    rounding.)"""
     torch.manual_seed(12)
     K, N = 96, 40
     w = kernels.PackedWeight((torch.randn(N, K) * 0.1).to(dtype))
     wide = torch.randn(7, 3 * K).to(dtype)
     x = wide[:, K:2 * K]                                   # rows 3K apart
     x[0, :4] = torch.tensor([3e38, -3e38, 1e-40, float("nan")]).to(dtype)   # overflow, subnormal, NaN
-    y = kernels.linear(x, w)
+    with kernels.no_amx():
+        y = kernels.linear(x, w)
     ref = kernels.linear(x.float().contiguous(), w).to(dtype)
     assert y.dtype == dtype and y.shape == (7, N)
     assert torch.equal(y.isnan(), ref.isnan()) and torch.equal(y[~y.isnan()], ref[~ref.isnan()])
     assert torch.isinf(y[0]).any() or torch.isnan(y[0]).any()
+
+
+@pytest.mark.skipif(not kernels.amx_bfloat16(), reason="no AMX bfloat16 tiles on this CPU")
+@pytest.mark.parametrize("K", [32, 96, 640, 2048])
+def test_bfloat16_products_on_amx_tiles(K):
+    """Where the CPU has AMX, a bfloat16 x bfloat16 product takes its tiles at every row
+    count (the row count never picks the arithmetic): a row is the same bits alone,
+    among any rows (a decode step, a verify step of 17, a prefill chunk) and on any
+    thread count; each output is the float32 sum of exact products, within a few
+    roundings of the vector path's chain and of float64, rounded once to bfloat16 as
+    torch rounds (overflow to infinity, a NaN kept). The kernels' identity names the
+    tiles for bfloat16 and only for it (the L3 witness keeps KV from another CPU apart)."""
+    torch.manual_seed(K)
+    N = 45                                                       # a last panel of 13 outputs
+    w = kernels.PackedWeight((torch.randn(N, K) * 0.05).bfloat16())
+    b = torch.randn(N)
+    x = torch.randn(50, K).bfloat16()
+    sums = kernels.linear(x, w, b, dtype=torch.float32)          # the float32 sums, before the rounding
+    for size in (1, 3, 16, 17, 31, 33, 49):
+        parts = [kernels.linear(x[a:z], w, b, dtype=torch.float32) for a, z in _cuts(50, size)]
+        assert torch.equal(torch.cat(parts), sums), size
+    before = torch.get_num_threads()
+    try:
+        for n in (2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(kernels.linear(x, w, b, dtype=torch.float32), sums)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(kernels.linear(x, w, b), sums.bfloat16())  # rounded once, as torch rounds
+    assert torch.equal(kernels.linear(x, w, dtype=torch.float32) + b, sums)   # the bias added to the sum
+    with kernels.no_amx():
+        chain = kernels.linear(x, w, b, dtype=torch.float32)
+    assert not torch.equal(sums, chain)                          # another arithmetic...
+    ref = F.linear(x.double(), w.dense().double(), b.double())
+    scale = ref.abs().max().item()
+    for y in (sums, chain):                                      # ...the same sum within float32's roundings
+        assert (y.double() - ref).abs().max().item() <= 1e-5 * scale * K ** 0.5
+    edge = torch.ones(3, K).bfloat16()
+    edge[0], edge[1, 0], edge[2] = 3e38, float("nan"), -3e38
+    y = kernels.linear(edge, kernels.PackedWeight(torch.ones(N, K).bfloat16()))
+    assert y[1].isnan().all() and (y[0] == float("inf")).all() and (y[2] == float("-inf")).all()
+    assert kernels.identity(torch.bfloat16) != kernels.identity(torch.float32)
+    with kernels.no_amx():
+        assert kernels.identity(torch.bfloat16) == kernels.identity(torch.float32)
 
 
 def test_argmax_answers_as_torch_argmax():

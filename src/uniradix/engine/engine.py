@@ -131,10 +131,12 @@ class Engine(Admission, Batching, Speculation):
         where a fleet's model_fingerprint names the namespace (it says nothing of the
         weights or the config), else a few fixed elements (the name carries the
         checkpoint's digest and config; the witness adds the dtype and quantization), and
-        the kernels' arithmetic (kernels.identity: KV another computes differs in bits)."""
+        the kernels' arithmetic in the model's dtype (kernels.identity: KV another computes
+        differs in bits)."""
         from ..model import kernels
         from ..model.fingerprint import model_witness
-        return model_witness(self.weights, {**self.model.computation(), "kernels": kernels.identity()}, whole)
+        return model_witness(self.weights, {**self.model.computation(), "kernels": kernels.identity(getattr(self.model, "dtype", None))},
+                             whole)
 
     @property
     def prefetching(self) -> list[RequestState]:

@@ -38,7 +38,7 @@ def levels_below() -> list[str]:
 
 
 def every_kernel() -> list[torch.Tensor]:
-    """Every kernel on inputs with tails everywhere: products (dense in three dtypes and
+    """Every kernel on inputs with tails everywhere: products (dense in three dtypes, bfloat16 activations too, and
     every GGUF block format, 45 outputs: a padded last panel) at 1 to 9 rows (each row
     tiling of every path) and the quantized ones at 35 (AMX's tiles, two full and a tail), attention over a pool (bfloat16, grouped heads, sinks,
     windows; wide float32 and float16 heads), RMSNorm (with a residual too), RoPE, argmax
@@ -52,6 +52,10 @@ def every_kernel() -> list[torch.Tensor]:
     xs = [torch.randn(m, K) for m in (1, 2, 3, 4, 5, 6, 8, 9)]
     bias = torch.randn(N)
     out = [fn(x, w, bias) for w, fn in cases for x in xs]
+    with kernels.no_amx():   # bfloat16 x bfloat16: the vector path's chain (AMX's tiles are their own arithmetic)
+        out += [kernels.linear(x.bfloat16(), w, bias) for w, _ in cases[1:2] for x in xs + [torch.randn(35, K)]]
+        odd = kernels.PackedWeight((torch.randn(N, K - 1) * 0.1).bfloat16())   # unpaired panels
+        out += [kernels.linear(torch.randn(m, K - 1).bfloat16(), odd, bias) for m in (1, 9)]
     many = torch.randn(35, K)   # quantized products of 16 rows and more: AMX's tiles where this CPU has them
     out += [fn(many, w, bias) for w, fn in cases if fn is kernels.linear_q]
     H, KV, d, slots, rows = 8, 2, 40, 300, 70

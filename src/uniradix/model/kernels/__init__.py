@@ -27,6 +27,7 @@ NR = 16
 #: weight rows a quantized weight's panel holds, a vector lane each (kernels.c's QP)
 PW = 16
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_PAIRED = 3   # kernels.c's DT_BF16P: bfloat16 panels in pairs
 #: elementwise operations (kernels.c's EW_*)
 OPS = {"exp": 0, "sigmoid": 1, "silu": 2, "softplus": 3, "gelu_tanh": 4, "tanh": 5}
 
@@ -69,6 +70,7 @@ def _bind(path: str):
     lib.ur_isa.restype = ctypes.c_char_p
     lib.ur_argmax.argtypes, lib.ur_argmax.restype = [_p, _i64], _i64
     lib.ur_amx.argtypes, lib.ur_amx.restype = [_int], _int
+    lib.ur_amx_bf16.argtypes, lib.ur_amx_bf16.restype = [_i64], _int
     lib.ur_version.restype = _int
     return lib
 
@@ -120,16 +122,28 @@ class isa:
         _lib = self.saved
 
 
-def identity() -> str:
-    """Which arithmetic the forward runs (for the L3 witness: KV computed by another must
-    not be reused as if it were this one's): the row-invariant kernels' version (the same
-    bits on every CPU), or torch's kernels."""
-    return f"row-invariant v{lib().ur_version()}" if available() else "torch"
+def amx_bfloat16() -> bool:
+    """Whether bfloat16 x bfloat16 products run on AMX's bfloat16 tiles here (kernels.c,
+    linear_bf16_amx): their own arithmetic, not the vector path's chain."""
+    return available() and bool(lib().ur_amx_bf16(32))
+
+
+def identity(dtype: torch.dtype | None = None) -> str:
+    """Which arithmetic a forward in `dtype` runs (for the L3 witness: KV computed by
+    another must not be reused as if it were this one's): the row-invariant kernels'
+    version (the same bits on every CPU), and for bfloat16 whether its products take
+    AMX's tiles (the same bits on every CPU that has them, other bits than elsewhere);
+    or torch's kernels."""
+    if not available():
+        return "torch"
+    amx = ", bfloat16 on AMX tiles" if dtype is torch.bfloat16 and amx_bfloat16() else ""
+    return f"row-invariant v{lib().ur_version()}{amx}"
 
 
 class no_amx:
-    """`with kernels.no_amx():` quantized products of many rows without AMX's tiles (the
-    same bits: for tests and A/B runs). Process-wide while it lasts."""
+    """`with kernels.no_amx():` products without AMX's tiles: quantized ones of many rows
+    (the same bits) and bfloat16 x bfloat16 ones (the vector path's chain: other bits;
+    see `identity`), for tests and A/B runs. Process-wide while it lasts."""
 
     def __enter__(self):
         self.was = bool(available() and lib().ur_amx(-1))
@@ -145,7 +159,8 @@ class no_amx:
 def describe() -> str:
     """For the start-up line: which kernels the forward runs on."""
     if available():
-        amx = ", AMX tiles for quantized products of 16 rows or more" if _lib.ur_amx(-1) else ""
+        amx = (", AMX tiles for bfloat16 products and quantized ones of 16 rows or more" if amx_bfloat16()
+               else ", AMX tiles for quantized products of 16 rows or more" if _lib.ur_amx(-1) else "")
         return f"row-invariant kernels ({_lib.ur_isa().decode()}{amx})"
     if _state["off"]:
         return "torch's kernels (switched off here)"
@@ -191,8 +206,10 @@ class _Packed:
 
 class PackedWeight(_Packed):
     """W [out, in] in panels of NR output columns, [panel][in][NR], in its own dtype
-    (float32, bfloat16 or float16); what `linear` multiplies. Holds the same values as
-    the dense weight (`dense()` gives it back, for the witness and for moving it)."""
+    (float32, bfloat16 or float16); what `linear` multiplies. A bfloat16 weight with an
+    even number of inputs lies in pairs, [panel][in / 2][NR][2] (`paired`: how AMX's
+    bfloat16 tiles read it, and the vector path too). Holds the same values as the dense
+    weight (`dense()` gives it back, for the witness and for moving it)."""
 
     __slots__ = ("panels", "out_features", "in_features")
     _storage = "panels"
@@ -204,16 +221,30 @@ class PackedWeight(_Packed):
         P = -(-N // NR)
         padded = w.new_zeros(P * NR, K)
         padded[:N] = w
-        self.panels = padded.view(P, NR, K).transpose(1, 2).contiguous()
         self.out_features, self.in_features = N, K
+        if w.dtype is torch.bfloat16 and K % 2 == 0:
+            self.panels = padded.view(P, NR, K // 2, 2).permute(0, 2, 1, 3).reshape(P, K, NR).contiguous()
+        else:
+            self.panels = padded.view(P, NR, K).transpose(1, 2).contiguous()
 
     @property
     def dtype(self) -> torch.dtype:
         return self.panels.dtype
 
+    @property
+    def paired(self) -> bool:
+        return self.panels.dtype is torch.bfloat16 and self.in_features % 2 == 0
+
+    @property
+    def code(self) -> int:
+        """The panels' dtype as kernels.c names it (DT_BF16P for pairs)."""
+        return _PAIRED if self.paired else _DTYPES[self.panels.dtype]
+
     def dense(self) -> torch.Tensor:
-        P = self.panels.shape[0]
-        return self.panels.transpose(1, 2).reshape(P * NR, self.in_features)[:self.out_features].contiguous()
+        P, K = self.panels.shape[0], self.in_features
+        if self.paired:
+            return self.panels.view(P, K // 2, NR, 2).permute(0, 2, 1, 3).reshape(P * NR, K)[:self.out_features].contiguous()
+        return self.panels.transpose(1, 2).reshape(P * NR, K)[:self.out_features].contiguous()
 
     def tensors(self) -> torch.Tensor:
         """What the weights' witness and fingerprint read: the dense weight."""
@@ -425,9 +456,11 @@ class PackedExperts:
         return self if torch.device(device).type == "cpu" else self.dense().to(device)
 
 
-def linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., in] @ W^T (+ b) accumulated in float32 (each output one chain of fused
-    multiply-adds in input order), rounded once to x's dtype. (Called ~100 times a decode
+    multiply-adds in input order; bfloat16 x bfloat16 on AMX's tiles where the CPU has
+    them), rounded once to x's dtype (or `dtype`: float32 keeps the sums). (Called ~100 times a decode
     step: every torch call here costs microseconds, so none is made that is not needed.)"""
     K, N = w.in_features, w.out_features
     if x.shape[-1] != K:
@@ -439,13 +472,14 @@ def linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None) -> t
         x2, xdt = x2.float().contiguous(), 0
     if b is not None and (b.dtype is not torch.float32 or not b.is_contiguous()):
         b = b.float().contiguous()
-    out = torch.bfloat16 if x.dtype is torch.bfloat16 else torch.float32  # rounded in the call; float16 below
+    want = x.dtype if dtype is None else dtype
+    out = torch.bfloat16 if want is torch.bfloat16 else torch.float32  # rounded in the call; float16 below
     y = torch.empty((x2.shape[0], N), dtype=out)
     lib().ur_linear_io(x2.data_ptr(), xdt, x2.shape[0], K, x2.stride(0) if x2.shape[0] > 1 else K,
-                       w.panels.data_ptr(), _DTYPES[w.panels.dtype], N, None if b is None else b.data_ptr(),
+                       w.panels.data_ptr(), w.code, N, None if b is None else b.data_ptr(),
                        y.data_ptr(), _DTYPES[out], N, torch.get_num_threads())
-    if x.dtype is not out:
-        y = y.to(x.dtype)
+    if want is not out:
+        y = y.to(want)
     return y if flat else y.view(*x.shape[:-1], N)
 
 

@@ -10,8 +10,10 @@
    - Products (ur_linear): y[m, n] = sum_k x[m, k] * w[n, k] as one chain of fused
      multiply-adds in k order from 0, in float32, whatever the weight's dtype (float32,
      bfloat16, float16: converted exactly in registers, never into a float matrix). The
-     weight is packed once into panels of 16 output columns, [panel][k][16]; a vector lane
-     holds one output column, so AVX-512, AVX2 and the scalar fallback give the same bits.
+     weight is packed once into panels of 16 output columns, [panel][k][16] (bfloat16 in
+     pairs of k, DT_BF16P); a vector lane holds one output column, so AVX-512, AVX2 and
+     the scalar fallback give the same bits. bfloat16 x bfloat16 where the CPU has AMX:
+     its bfloat16 tiles at every row count (linear_bf16_amx), their own rounding.
    - Elementwise functions (exp, sigmoid, silu, softplus, gelu_tanh, tanh) from basic IEEE
      operations only: the vector loop and its tail compute the same function.
    - Attention over keys where they lie in the pools, each query's scores, softmax and
@@ -46,7 +48,9 @@
 
 #define NR 16          /* output columns per packed panel */
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+/* DT_BF16P: bfloat16 panels in pairs, [K / 2][16][2] (inputs 2i and 2i + 1 of an output
+   side by side: how AMX's bfloat16 tiles read a weight); the others [K][16] */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_BF16P = 3 };
 
 const char *ur_isa(void) { return UR_ISA; }
 /* the arithmetic's version: raised when any kernel's bits change (2: quantized products sum
@@ -108,6 +112,11 @@ static inline wvec wload(const void *p, int dt) {
     if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
 }
+/* Row k of a paired panel: base is the pair's (row k & ~1), odd = k & 1. */
+static inline wvec wload_pair(const void *base, int odd) {
+    const __m512i v = _mm512_loadu_si512(base);
+    return _mm512_castsi512_ps(odd ? _mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u)) : _mm512_slli_epi32(v, 16));
+}
 #define WV_ZERO() _mm512_setzero_ps()
 #define WV_FMA(a, b, c) _mm512_fmadd_ps(_mm512_set1_ps(a), (b), (c))
 #define WV_ADD(a, b) _mm512_add_ps((a), (b))
@@ -135,6 +144,14 @@ static inline wvec wload(const void *p, int dt) {
         v.lo = h8((const uint16_t *)p, dt);
         v.hi = h8((const uint16_t *)p + 8, dt);
     }
+    return v;
+}
+static inline __m256 pair8(const void *p, int odd) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    return _mm256_castsi256_ps(odd ? _mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)) : _mm256_slli_epi32(v, 16));
+}
+static inline wvec wload_pair(const void *base, int odd) {
+    wvec v = {pair8(base, odd), pair8((const char *)base + 32, odd)};
     return v;
 }
 static inline wvec WV_ZERO(void) { wvec v = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return v; }
@@ -166,6 +183,11 @@ typedef struct { float v[NR]; } wvec;
 static inline wvec wload(const void *p, int dt) {
     wvec v;
     for (int i = 0; i < NR; i++) v.v[i] = load_elem(p, dt, i);
+    return v;
+}
+static inline wvec wload_pair(const void *base, int odd) {
+    wvec v;
+    for (int i = 0; i < NR; i++) v.v[i] = bf16_to_f32(((const uint16_t *)base)[2 * i + odd]);
     return v;
 }
 static inline wvec WV_ZERO(void) { wvec v; for (int i = 0; i < NR; i++) v.v[i] = 0.0f; return v; }
@@ -202,11 +224,22 @@ static inline __attribute__((always_inline)) void tile(
         for (int j = 0; j < NP; j++)
             acc[r][j] = k0 == 0 ? WV_ZERO() : wloadf(y + r * ldy + (p0 + j) * NR, ncol[j]);
     const char *w0 = wp + p0 * ps + k0 * es;
-    for (int64_t k = k0; k < k1; k++, w0 += es) {
-        for (int j = 0; j < NP; j++) {
-            wvec w = wload(w0 + j * ps, dt);
+    if (dt == DT_BF16P) {   /* k0 and k1 even: a pair's line, then its two inputs in k order */
+        for (int64_t k = k0; k < k1; k += 2, w0 += 2 * es) {
+            wvec w[4], u[4];
+            for (int j = 0; j < NP; j++) w[j] = wload_pair(w0 + j * ps, 0), u[j] = wload_pair(w0 + j * ps, 1);
             for (int r = 0; r < MR; r++)
-                acc[r][j] = WV_FMA(x[r * ldx + k], w, acc[r][j]);
+                for (int j = 0; j < NP; j++) acc[r][j] = WV_FMA(x[r * ldx + k], w[j], acc[r][j]);
+            for (int r = 0; r < MR; r++)
+                for (int j = 0; j < NP; j++) acc[r][j] = WV_FMA(x[r * ldx + k + 1], u[j], acc[r][j]);
+        }
+    } else {
+        for (int64_t k = k0; k < k1; k++, w0 += es) {
+            for (int j = 0; j < NP; j++) {
+                wvec w = wload(w0 + j * ps, dt);
+                for (int r = 0; r < MR; r++)
+                    acc[r][j] = WV_FMA(x[r * ldx + k], w, acc[r][j]);
+            }
         }
     }
     for (int j = 0; j < NP; j++) {
@@ -257,6 +290,7 @@ static void tile_rows(int mr, int np, const float *x, int64_t ldx, const char *w
                       int64_t p0, int64_t N, float *y, int64_t ldy, int64_t k0, int64_t k1, const float *b) {
     if (dt == DT_F32) tile_rows_dt(mr, np, x, ldx, wp, DT_F32, K, p0, N, y, ldy, k0, k1, b);
     else if (dt == DT_BF16) tile_rows_dt(mr, np, x, ldx, wp, DT_BF16, K, p0, N, y, ldy, k0, k1, b);
+    else if (dt == DT_BF16P) tile_rows_dt(mr, np, x, ldx, wp, DT_BF16P, K, p0, N, y, ldy, k0, k1, b);
     else tile_rows_dt(mr, np, x, ldx, wp, DT_F16, K, p0, N, y, ldy, k0, k1, b);
 }
 
@@ -332,22 +366,72 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+#if defined(UR_AVX512)
+/* f32_to_bf16 of 16 floats at once (the same bits: nearest even, a NaN kept a NaN) */
+static inline __m256i bf16x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f), hi = _mm512_srli_epi32(u, 16);
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(hi, _mm512_set1_epi32(1)))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(hi, _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
+/* rows [M, N] of float32 (row stride lds) to bfloat16 (row stride ldd), each f32_to_bf16 */
+static void rows_to_bf16(const float *src, int64_t lds, uint16_t *dst, int64_t ldd, int64_t M, int64_t N) {
+    for (int64_t m = 0; m < M; m++) {
+        int64_t n = 0;
+#if defined(UR_AVX512)
+        for (; n + 16 <= N; n += 16)
+            _mm256_storeu_si256((__m256i *)(dst + m * ldd + n), bf16x16(_mm512_loadu_ps(src + m * lds + n)));
+#endif
+        for (; n < N; n++) dst[m * ldd + n] = f32_to_bf16(src[m * lds + n]);
+    }
+}
+
 /* ur_linear with x in any of the three dtypes (row stride ldx) and y in float32 or
    bfloat16 (ydt): the conversions inside the one call, the product the same. */
-void ur_linear_io(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, const void *wp, int dt, int64_t N,
-                  const float *bias, void *y, int ydt, int64_t ldy, int nt) {
-    float *owned, *tmp = NULL;
+int ur_amx_bf16(int64_t K);
+void linear_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t N,
+                     const float *bias, void *y, int ydt, int64_t ldy, int nt);
+
+/* Whether a bfloat16 x bfloat16 product takes AMX's tiles (ur_amx_bf16): decided by the
+   operands' dtypes and K, never by the row count, so a row gets the same bits alone or
+   in any chunk. */
+static inline int amx_bf16_product(int xdt, int dt, int64_t K) {
+    return xdt == DT_BF16 && dt == DT_BF16P && ur_amx_bf16(K);
+}
+
+/* y (float32) = the product, on AMX's tiles or the vector path (amx_bf16_product) */
+static void product(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, const void *wp, int dt, int64_t N,
+                    const float *bias, float *y, int64_t ldy, int nt) {
+    if (amx_bf16_product(xdt, dt, K)) {
+        linear_bf16_amx((const uint16_t *)x, M, K, ldx, (const uint16_t *)wp, N, bias, y, DT_F32, ldy, nt);
+        return;
+    }
+    float *owned;
     int64_t lx;
     const float *xf = rows_f32(x, xdt, M, K, ldx, &lx, &owned);
+    ur_linear(xf, M, K, lx, wp, dt, N, bias, y, ldy, nt);
+    free(owned);
+}
+
+void ur_linear_io(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, const void *wp, int dt, int64_t N,
+                  const float *bias, void *y, int ydt, int64_t ldy, int nt) {
+    if (amx_bf16_product(xdt, dt, K)) {   /* the output written as it comes */
+        linear_bf16_amx((const uint16_t *)x, M, K, ldx, (const uint16_t *)wp, N, bias, y, ydt, ldy, nt);
+        return;
+    }
+    float *tmp = NULL;
     if (ydt == DT_F32) {
-        ur_linear(xf, M, K, lx, wp, dt, N, bias, (float *)y, ldy, nt);
+        product(x, xdt, M, K, ldx, wp, dt, N, bias, (float *)y, ldy, nt);
     } else {
         tmp = (float *)malloc(sizeof(float) * (size_t)(M * N > 0 ? M * N : 1));
-        ur_linear(xf, M, K, lx, wp, dt, N, bias, tmp, N, nt);
-        for (int64_t m = 0; m < M; m++)
-            for (int64_t n = 0; n < N; n++) ((uint16_t *)y)[m * ldy + n] = f32_to_bf16(tmp[m * N + n]);
+        product(x, xdt, M, K, ldx, wp, dt, N, bias, tmp, N, nt);
+        rows_to_bf16(tmp, N, (uint16_t *)y, ldy, M, N);
     }
-    free(owned);
     free(tmp);
 }
 
@@ -883,8 +967,126 @@ static void qlinear_amx(const int8_t *q, const float *d, const float *s, const i
     }
     free(all);
 }
+
+#if defined(__AMX_BF16__)
+/* ------------------------------------------------------------------ bfloat16 on AMX
+
+   A bfloat16 x bfloat16 product (both operands bfloat16: the bfloat16 precision's) on
+   AMX's bfloat16 tiles, for every row count: y[m, n] accumulates, in float32, one tile
+   product per 32 inputs in k order (TDPBF16PS: 16 pairs of exact products into the
+   float32 sum, with the tile unit's own internal order and rounding, which no vector
+   instruction reproduces). An output depends on its own row and column only, so a row
+   has the same bits alone, in a chunk of any size and on any thread count, on this
+   CPU. It is not the vector path's arithmetic (a chain of fused multiply-adds), so the
+   kernels' identity says which one ran (kernels.identity): KV computed here is not
+   reused by a CPU without the tiles, nor the other way round. */
+#define BF_ROWS 16   /* a tile's rows */
+#define BF_K 32      /* inputs a tile product takes: 16 pairs, 64 bytes a row */
+
+int ur_amx_bf16(int64_t K) { return K > 0 && K % BF_K == 0 && ur_amx(-1); }
+
+/* tiles 0-3: C, 16 rows x 16 float32 sums (two row blocks x two panels); 4-5: A, 16 rows x
+   32 inputs; 6-7: B, 16 pairs of inputs x 16 outputs */
+static void amx_configure_bf16(void) {
+    tile_config t;
+    memset(&t, 0, sizeof t);
+    t.palette = 1;
+    for (int i = 0; i < 8; i++) { t.rows[i] = 16; t.colsb[i] = 64; }
+    _tile_loadconfig(&t);
+}
+
+/* C tile t's sums (rows r0.., panel p) into y (float32, or bfloat16 rounded once as
+   f32_to_bf16 rounds), plus the bias, for the rows below M */
+static inline void bf_store(const float *sums, int64_t r0, int64_t M, int64_t p, int64_t N, const float *bias,
+                            void *y, int ydt, int64_t ldy) {
+    const int nw = N - p * NR >= NR ? NR : (int)(N - p * NR);
+    const __mmask16 keep = (__mmask16)((1u << nw) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + p * NR) : _mm512_setzero_ps();
+    for (int r = 0; r < BF_ROWS && r0 + r < M; r++) {
+        __m512 v = _mm512_load_ps(sums + r * 16);
+        if (bias) v = _mm512_add_ps(v, b);
+        if (ydt == DT_F32) _mm512_mask_storeu_ps((float *)y + (r0 + r) * ldy + p * NR, keep, v);
+        else _mm256_mask_storeu_epi16((uint16_t *)y + (r0 + r) * ldy + p * NR, keep, bf16x16(v));
+    }
+}
+
+/* y [M, N] (f32, row stride ldy) = x [M, K] (bfloat16, row stride ldx) @ W^T (+ bias), W
+   bfloat16 panels in pairs [P][K / 2][16][2] (DT_BF16P: a k step's B tile is 1 KiB of a
+   panel, read where it lies), K a multiple of 32. The rows are copied into 16-row blocks
+   (the last padded with zeros, whose sums are never stored); each thread takes a few
+   panels at a time and runs every row block against them. Each C tile's chain of
+   products waits for the one before, so several run side by side: one row block (a
+   decode or verify step) against three panels, or two row blocks against two. (A
+   software prefetch of the next panels made a one-row step from memory 1.2x slower:
+   the tiles' loads of contiguous KiBs keep up with memory here without it.) */
+void linear_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t N,
+                     const float *bias, void *y, int ydt, int64_t ldy, int nt) {
+    if (M <= 0 || N <= 0) return;
+    const int64_t P = (N + NR - 1) / NR, Mp = (M + BF_ROWS - 1) / BF_ROWS * BF_ROWS;
+    const int64_t GP = Mp == BF_ROWS ? 3 : 2, groups = (P + GP - 1) / GP, pw = K * 16;   /* pw: a panel's values */
+    uint16_t *xs = aligned_alloc(64, (size_t)(Mp * K * 2));
+    for (int64_t m = 0; m < M; m++) memcpy(xs + m * K, x + m * ldx, (size_t)K * 2);
+    memset(xs + M * K, 0, (size_t)((Mp - M) * K * 2));
+#pragma omp parallel num_threads(nt) if (nt > 1 && groups > 1)
+    {
+        amx_configure_bf16();
+        float sums[4][BF_ROWS * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t p0 = g * GP;
+            const int np = P - p0 >= GP ? (int)GP : (int)(P - p0);
+            const uint16_t *w0 = wp + p0 * pw, *w1 = w0 + pw, *w2 = w1 + pw;
+            if (GP == 3) {   /* one row block, up to three panels: C0-C2, A4, B5-B7 */
+                _tile_zero(0); _tile_zero(1); _tile_zero(2);
+                for (int64_t k = 0; k < K; k += BF_K) {
+                    _tile_loadd(4, xs + k, K * 2);
+                    _tile_loadd(5, w0 + k * 16, 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    if (np > 1) { _tile_loadd(6, w1 + k * 16, 64); _tile_dpbf16ps(1, 4, 6); }
+                    if (np > 2) { _tile_loadd(7, w2 + k * 16, 64); _tile_dpbf16ps(2, 4, 7); }
+                }
+                _tile_stored(0, sums[0], 64); _tile_stored(1, sums[1], 64); _tile_stored(2, sums[2], 64);
+                for (int j = 0; j < np; j++) bf_store(sums[j], 0, M, p0 + j, N, bias, y, ydt, ldy);
+                continue;
+            }
+            for (int64_t m = 0; m < Mp; m += 2 * BF_ROWS) {   /* two row blocks, two panels: C0-C3, A4-A5, B6-B7 */
+                const int rb = m + BF_ROWS < Mp ? 2 : 1;
+                const uint16_t *a0 = xs + m * K, *a1 = xs + (m + BF_ROWS) * K;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t k = 0; k < K; k += BF_K) {
+                    _tile_loadd(4, a0 + k, K * 2);
+                    _tile_loadd(6, w0 + k * 16, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (np > 1) { _tile_loadd(7, w1 + k * 16, 64); _tile_dpbf16ps(1, 4, 7); }
+                    if (rb == 2) {
+                        _tile_loadd(5, a1 + k, K * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (np > 1) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, sums[0], 64); _tile_stored(1, sums[1], 64);
+                _tile_stored(2, sums[2], 64); _tile_stored(3, sums[3], 64);
+                for (int t = 0; t < 4; t++)
+                    if ((t & 1) < np && (t >> 1) < rb)
+                        bf_store(sums[t], m + (t >> 1) * BF_ROWS, M, p0 + (t & 1), N, bias, y, ydt, ldy);
+            }
+        }
+        _tile_release();
+    }
+    free(xs);
+}
+#else
+int ur_amx_bf16(int64_t K) { (void)K; return 0; }
+void linear_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t N,
+                     const float *bias, void *y, int ydt, int64_t ldy, int nt) { (void)x; (void)M; (void)K; (void)ldx;
+    (void)wp; (void)N; (void)bias; (void)y; (void)ydt; (void)ldy; (void)nt; }
+#endif
 #else
 int ur_amx(int want) { (void)want; return 0; }
+int ur_amx_bf16(int64_t K) { (void)K; return 0; }
+void linear_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const uint16_t *wp, int64_t N,
+                     const float *bias, void *y, int ydt, int64_t ldy, int nt) { (void)x; (void)M; (void)K; (void)ldx;
+    (void)wp; (void)N; (void)bias; (void)y; (void)ydt; (void)ldy; (void)nt; }
 #endif
 
 /* y [M, N] = x [M, K] @ W^T (+ bias) over W as stored (above): codes [panels][K / 32][panel
