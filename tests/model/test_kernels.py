@@ -124,9 +124,13 @@ def test_an_elementwise_value_does_not_depend_on_the_call(op):
     # cancels in float32, in torch's too)
     rel = ((whole.double() - ref).abs() / ref.abs().clamp(min=1.0)).max().item()
     assert rel < 2e-6, rel
+    long = torch.randn(9001) * 6               # several of the call's blocks of 4096
     for dtype in (torch.bfloat16, torch.float16):  # computed in float32, rounded once
-        assert torch.equal(kernels.elementwise(op, x.to(dtype), param), kernels.elementwise(op, x.to(dtype).float(),
-                                                                                             param).to(dtype))
+        for t in (x, long):
+            assert torch.equal(kernels.elementwise(op, t.to(dtype), param),
+                               kernels.elementwise(op, t.to(dtype).float(), param).to(dtype))
+        apart = long.to(dtype)[::3]                # rows that lie apart: the same values, the same dtype
+        assert torch.equal(kernels.elementwise(op, apart, param), kernels.elementwise(op, apart.contiguous(), param))
 
 
 def test_elementwise_edges():

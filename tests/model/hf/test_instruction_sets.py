@@ -82,6 +82,13 @@ def every_kernel() -> list[torch.Tensor]:
     y[3, 100], y[4, 7], y[5] = float("nan"), float("nan"), 2.0  # NaNs (first found), a row of ties
     out.append(torch.tensor([kernels.argmax(r) for r in y] + [kernels.argmax(torch.randn(1000) * 3)]))
     out += [kernels.elementwise(op, x * 4, 20.0) for op in kernels.OPS]
+    xb = (x * 4).bfloat16()                   # 16-bit inputs and outputs converted inside the calls
+    out += [kernels.elementwise(op, xb, 20.0) for op in ("gelu_tanh", "silu")]
+    out.append(kernels.elementwise("exp", xb.half()))
+    out.append(kernels.rms_norm(xb, torch.randn(130), 1e-6, torch.bfloat16))
+    out.append(kernels.rms_norm(x[:7], torch.randn(130), 1e-6, torch.bfloat16))
+    out.append(kernels.rope(xb.view(33, 2, 65)[..., :64].contiguous(), torch.cat((ang.cos(), ang.cos()), -1).bfloat16(),
+                            torch.cat((-ang.sin(), ang.sin()), -1).bfloat16()))
     return out
 
 

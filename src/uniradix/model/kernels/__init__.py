@@ -38,6 +38,7 @@ _i64, _f32, _int, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_vo
 _SIGNATURES = {
     "ur_linear_io": [_p, _int, _i64, _i64, _i64, _p, _int, _i64, _p, _p, _int, _i64, _int],
     "ur_elementwise": [_int, _p, _p, _i64, _f32, _int],
+    "ur_elementwise_io": [_int, _p, _int, _p, _int, _i64, _f32, _int],
     "ur_attention": [_p, _i64, _i64, _i64, _p, _p, _int, _i64, _p, _p, _p, _f32, _p, _p, _int],
     "ur_delta_rule": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
     "ur_ssm_scan": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
@@ -487,14 +488,14 @@ def linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None,
 def elementwise(op: str, x: torch.Tensor, param: float = 0.0) -> torch.Tensor:
     """f(x) computed in float32 by kernels.c's fixed implementation, rounded to x's
     dtype."""
-    if x.dtype is torch.float32 and x.is_contiguous():
-        xf, y = x, torch.empty_like(x)
-    else:
-        xf = y = x.float().contiguous()  # a copy already: computed in place
-        if xf.data_ptr() == x.data_ptr():
-            y = torch.empty_like(xf)
-    lib().ur_elementwise(OPS[op], xf.data_ptr(), y.data_ptr(), xf.numel(), float(param), torch.get_num_threads())
-    return y if x.dtype is torch.float32 else y.to(x.dtype)
+    dtype, xdt = x.dtype, _DTYPES.get(x.dtype)
+    if xdt is None or not x.is_contiguous():
+        x, xdt = x.float().contiguous(), 0
+    out = torch.bfloat16 if dtype is torch.bfloat16 else torch.float32   # rounded in the call; float16 below
+    y = torch.empty(x.shape, dtype=out)
+    lib().ur_elementwise_io(OPS[op], x.data_ptr(), xdt, y.data_ptr(), _DTYPES[out], x.numel(), float(param),
+                            torch.get_num_threads())
+    return y if dtype is out else y.to(dtype)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, dtype: torch.dtype = torch.float32,

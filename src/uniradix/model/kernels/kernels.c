@@ -345,14 +345,33 @@ void ur_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wp
     }
 }
 
+/* n values of dtype dt at src as float32 at dst (16-bit ones convert exactly). */
+static void to_f32(const void *src, int dt, float *dst, int64_t n) {
+    if (dt == DT_F32) { memcpy(dst, src, sizeof(float) * (size_t)n); return; }
+    int64_t i = 0;
+#if defined(UR_AVX512)
+    for (; i + 16 <= n; i += 16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i));
+        _mm512_storeu_ps(dst + i, dt == DT_BF16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+                                                : _mm512_cvtph_ps(h));
+    }
+#elif defined(UR_AVX2)
+    for (; i + 8 <= n; i += 8) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)src + i));
+        _mm256_storeu_ps(dst + i, dt == DT_BF16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                                                : _mm256_cvtph_ps(h));
+    }
+#endif
+    for (; i < n; i++) dst[i] = load_elem(src, dt, i);
+}
+
 /* Rows of x in dtype xdt (row stride ldx) as contiguous float32 [M, K]: x itself where
    it is that already, else a copy to free (16-bit values convert exactly). */
 static const float *rows_f32(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, int64_t *ld, float **owned) {
     *owned = NULL;
     if (xdt == DT_F32) { *ld = ldx; return (const float *)x; }
     float *f = (float *)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t k = 0; k < K; k++) f[m * K + k] = load_elem(x, xdt, m * ldx + k);
+    for (int64_t m = 0; m < M; m++) to_f32((const uint16_t *)x + m * ldx, xdt, f + m * K, K);
     *ld = K;
     *owned = f;
     return f;
@@ -389,6 +408,26 @@ static void rows_to_bf16(const float *src, int64_t lds, uint16_t *dst, int64_t l
 #endif
         for (; n < N; n++) dst[m * ldd + n] = f32_to_bf16(src[m * lds + n]);
     }
+}
+
+/* float32 rounded to bfloat16 and back (f32_to_bf16's rounding), 16 at a time */
+#if defined(UR_AVX512)
+static inline __m512 bf16r16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(v)), 16));
+}
+static inline __m512 bf16load16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+#endif
+
+/* y = res + bfloat16(t), each rounded to bfloat16 as torch's add rounds (res, y bfloat16) */
+static void add_rows_bf16(const uint16_t *res, const float *t, uint16_t *y, int64_t n) {
+    int64_t i = 0;
+#if defined(UR_AVX512)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(y + i), bf16x16(_mm512_add_ps(bf16load16(res + i), bf16r16(_mm512_loadu_ps(t + i)))));
+#endif
+    for (; i < n; i++) y[i] = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(f32_to_bf16(t[i])));
 }
 
 /* ur_linear with x in any of the three dtypes (row stride ldx) and y in float32 or
@@ -1306,44 +1345,71 @@ static inline float f_tanh(float x, float p) { (void)p; return ur_tanhf(x); }
 /* RMSNorm of `rows` rows of n float32: y = x / sqrt(mean(x^2) + eps) * w (w NULL: 1).
    Each row's sum of squares in one order: eight chains of fused multiply-adds over
    i = l (mod 8), summed pairwise, then the tail in order; y may be x. */
-void ur_rms_norm(const float *x, float *y, int64_t rows, int64_t n, const float *w, float eps, int nt) {
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && rows * n > 65536)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * n;
-        float *yr = y + r * n;
-        float acc[8] = {0};
-        int64_t i = 0;
+#define RN_ROWS 4   /* rows whose chains run side by side (each its own: the same bits) */
+
+/* y [nr, n] = the norm of x [nr, n], nr <= RN_ROWS rows (y may be x) */
+static void rms_rows(const float *x, float *y, int nr, int64_t n, const float *w, float eps) {
+    float acc[RN_ROWS][8] = {{0}};
+    int64_t i = 0;
+    if (nr == RN_ROWS)
         for (; i + 8 <= n; i += 8)
-            for (int l = 0; l < 8; l++) acc[l] = fmaf(xr[i + l], xr[i + l], acc[l]);
-        float ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-        for (; i < n; i++) ss = fmaf(xr[i], xr[i], ss);
+            for (int r = 0; r < RN_ROWS; r++)
+                for (int l = 0; l < 8; l++) acc[r][l] = fmaf(x[r * n + i + l], x[r * n + i + l], acc[r][l]);
+    for (int r = 0; r < nr; r++) {
+        const float *xr = x + r * n;
+        float *yr = y + r * n, *a = acc[r];
+        int64_t j = i;
+        for (; j + 8 <= n; j += 8)
+            for (int l = 0; l < 8; l++) a[l] = fmaf(xr[j + l], xr[j + l], a[l]);
+        float ss = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+        for (; j < n; j++) ss = fmaf(xr[j], xr[j], ss);
         const float inv = 1.0f / sqrtf(ss / (float)n + eps);
-        if (w) for (int64_t j = 0; j < n; j++) yr[j] = xr[j] * inv * w[j];
-        else for (int64_t j = 0; j < n; j++) yr[j] = xr[j] * inv;
+        if (w) for (int64_t k = 0; k < n; k++) yr[k] = xr[k] * inv * w[k];
+        else for (int64_t k = 0; k < n; k++) yr[k] = xr[k] * inv;
+    }
+}
+
+void ur_rms_norm(const float *x, float *y, int64_t rows, int64_t n, const float *w, float eps, int nt) {
+    const int64_t groups = (rows + RN_ROWS - 1) / RN_ROWS;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && rows * n > 65536)
+    for (int64_t g = 0; g < groups; g++) {
+        const int64_t r0 = g * RN_ROWS;
+        rms_rows(x + r0 * n, y + r0 * n, rows - r0 < RN_ROWS ? (int)(rows - r0) : RN_ROWS, n, w, eps);
     }
 }
 
 /* ur_rms_norm with x in any of the three dtypes and y in float32 or bfloat16 (ydt), the
    conversions inside the one call; with res (ydt, [rows, n]), y = res + the norm rounded
-   to ydt, the sum rounded to ydt (a residual add: torch's add of the two, in one call). */
+   to ydt, the sum rounded to ydt (a residual add: torch's add of the two, in one call).
+   A few rows at a time through a small buffer (a buffer the size of the call's rows,
+   allocated each call, cost more in page faults than the norm itself). */
 void ur_rms_norm_io(const void *x, int xdt, void *y, int ydt, int64_t rows, int64_t n, const float *w, float eps,
                     const void *res, int nt) {
-    float *owned, *tmp = NULL;
-    int64_t lx;
-    const float *xf = rows_f32(x, xdt, rows, n, n, &lx, &owned);
-    float *yf = ydt == DT_F32 && !res ? (float *)y
-                                      : (tmp = (float *)malloc(sizeof(float) * (size_t)(rows * n > 0 ? rows * n : 1)));
-    ur_rms_norm(xf, yf, rows, n, w, eps, nt);
-    if (tmp && ydt == DT_F32) {
-        for (int64_t i = 0; i < rows * n; i++) ((float *)y)[i] = ((const float *)res)[i] + tmp[i];
-    } else if (tmp && res) {
-        for (int64_t i = 0; i < rows * n; i++)
-            ((uint16_t *)y)[i] = f32_to_bf16(bf16_to_f32(((const uint16_t *)res)[i]) + bf16_to_f32(f32_to_bf16(tmp[i])));
-    } else if (tmp) {
-        for (int64_t i = 0; i < rows * n; i++) ((uint16_t *)y)[i] = f32_to_bf16(tmp[i]);
+    if (xdt == DT_F32 && ydt == DT_F32 && !res) {
+        ur_rms_norm((const float *)x, (float *)y, rows, n, w, eps, nt);
+        return;
     }
-    free(owned);
-    free(tmp);
+    const int64_t groups = (rows + RN_ROWS - 1) / RN_ROWS;
+#pragma omp parallel num_threads(nt) if (nt > 1 && rows * n > 65536)
+    {
+        float *buf = (float *)malloc(sizeof(float) * (size_t)(RN_ROWS * n > 0 ? RN_ROWS * n : 1));
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t r0 = g * RN_ROWS, nr = rows - r0 < RN_ROWS ? rows - r0 : RN_ROWS, e0 = r0 * n, ne = nr * n;
+            to_f32((const char *)x + e0 * elem_size(xdt), xdt, buf, ne);
+            rms_rows(buf, buf, (int)nr, n, w, eps);
+            if (ydt == DT_F32) {
+                float *yo = (float *)y + e0;
+                if (res) for (int64_t i = 0; i < ne; i++) yo[i] = ((const float *)res)[e0 + i] + buf[i];
+                else memcpy(yo, buf, sizeof(float) * (size_t)ne);
+            } else if (res) {
+                add_rows_bf16((const uint16_t *)res + e0, buf, (uint16_t *)y + e0, ne);
+            } else {
+                rows_to_bf16(buf, 0, (uint16_t *)y + e0, 0, 1, ne);
+            }
+        }
+        free(buf);
+    }
 }
 
 /* RoPE: y [rows, heads, d] = x (dtype dt, both contiguous; y may be x) with the first rot
@@ -1356,22 +1422,39 @@ static inline void store_elem(void *p, int dt, int64_t i, float v) {
     else ((float *)p)[i] = v;
 }
 
+/* o[i] = round(xa[i] c[i]) + round(xb[i] s[i]) for i < n, each product rounded to dt (the
+   sum rounded when stored) */
+static inline void rope_span(const float *xa, const float *xb, const float *c, const float *s, float *o, int64_t n,
+                             int dt) {
+    int64_t i = 0;
+#if defined(UR_AVX512)
+    if (dt == DT_BF16)
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(o + i, _mm512_add_ps(
+                bf16r16(_mm512_mul_ps(_mm512_loadu_ps(xa + i), _mm512_loadu_ps(c + i))),
+                bf16r16(_mm512_mul_ps(_mm512_loadu_ps(xb + i), _mm512_loadu_ps(s + i)))));
+#endif
+    for (; i < n; i++) o[i] = round_to(xa[i] * c[i], dt) + round_to(xb[i] * s[i], dt);
+}
+
 void ur_rope(const void *x, void *y, int dt, int64_t rows, int64_t heads, int64_t d, int64_t rot, const void *cs,
              const void *sn) {
     const int64_t half = rot / 2;
-    float stack[512], *buf = d <= 512 ? stack : (float *)malloc(sizeof(float) * (size_t)d);
-    for (int64_t r = 0; r < rows; r++)
+    float stack[4 * 512], *buf = d <= 512 ? stack : (float *)malloc(sizeof(float) * (size_t)(4 * d));
+    float *c = buf + d, *s = c + d, *o = s + d;
+    for (int64_t r = 0; r < rows; r++) {
+        to_f32((const char *)cs + r * rot * elem_size(dt), dt, c, rot);
+        to_f32((const char *)sn + r * rot * elem_size(dt), dt, s, rot);
         for (int64_t h = 0; h < heads; h++) {
-            const int64_t o = (r * heads + h) * d;
-            for (int64_t i = 0; i < d; i++) buf[i] = load_elem(x, dt, o + i);
-            for (int64_t i = 0; i < rot; i++) {
-                const float xr = buf[i < half ? i + half : i - half];
-                const float a = round_to(buf[i] * load_elem(cs, dt, r * rot + i), dt);
-                const float b = round_to(xr * load_elem(sn, dt, r * rot + i), dt);
-                store_elem(y, dt, o + i, a + b);
-            }
-            for (int64_t i = rot; i < d; i++) store_elem(y, dt, o + i, buf[i]);
+            const int64_t off = (r * heads + h) * d;
+            to_f32((const char *)x + off * elem_size(dt), dt, buf, d);
+            rope_span(buf, buf + half, c, s, o, half, dt);                          /* x c + x[i + half] s */
+            rope_span(buf + half, buf, c + half, s + half, o + half, rot - half, dt);  /* x c + x[i - half] s */
+            memcpy(o + rot, buf + rot, sizeof(float) * (size_t)(d - rot));
+            if (dt == DT_BF16) rows_to_bf16(o, 0, (uint16_t *)y + off, 0, 1, d);
+            else memcpy((float *)y + off, o, sizeof(float) * (size_t)d);
         }
+    }
     if (buf != stack) free(buf);
 }
 
@@ -1394,6 +1477,22 @@ void ur_elementwise(int op, const float *x, float *y, int64_t n, float param, in
         case EW_TANH: LOOP(f_tanh);
 #undef LOOP
         }
+    }
+}
+
+/* ur_elementwise over x in any of the three dtypes, y in float32 or bfloat16 (rounded as
+   torch's .to() rounds), the conversions inside the one call, block by block. */
+void ur_elementwise_io(int op, const void *x, int xdt, void *y, int ydt, int64_t n, float param, int nt) {
+    const int64_t block = 4096;
+    const int64_t blocks = (n + block - 1) / block;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && blocks > 4)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t lo = b * block, m = lo + block < n ? block : n - lo;
+        float f[4096];
+        to_f32((const char *)x + lo * elem_size(xdt), xdt, f, m);
+        ur_elementwise(op, f, f, m, param, 1);
+        if (ydt == DT_BF16) rows_to_bf16(f, 0, (uint16_t *)y + lo, 0, 1, m);
+        else memcpy((float *)y + lo, f, sizeof(float) * (size_t)m);
     }
 }
 
