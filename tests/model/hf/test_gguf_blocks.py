@@ -81,7 +81,13 @@ def test_packed_blocks_multiply_row_invariantly_within_the_activations_rounding(
             assert torch.equal(kernels.linear_q(x, packed, bias), y)             # and however many threads
         finally:
             torch.set_num_threads(threads)
-    assert kernels.linear_q(x.bfloat16(), packed).dtype is torch.bfloat16
+    xb = x.bfloat16()                              # 16-bit rows, converted (exactly) inside the call
+    yb = kernels.linear_q(xb, packed, bias)
+    assert yb.dtype is torch.bfloat16 and torch.equal(yb, kernels.linear_q(xb.float(), packed, bias).bfloat16())
+    wide = torch.randn(70, 3 * k).bfloat16()
+    wide[:, k:2 * k] = xb                          # rows 3k apart: read where they lie
+    assert torch.equal(kernels.linear_q(wide[:, k:2 * k], packed, bias), yb)
+    assert torch.equal(kernels.linear_q(xb.half(), packed, bias), kernels.linear_q(xb.half().float(), packed, bias).half())
     with pytest.raises(ValueError, match="features"):
         kernels.linear_q(torch.randn(2, k + 1), packed)
 

@@ -42,7 +42,7 @@ _SIGNATURES = {
     "ur_attention": [_p, _i64, _i64, _i64, _p, _p, _int, _i64, _p, _p, _p, _f32, _p, _p, _int],
     "ur_delta_rule": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
     "ur_ssm_scan": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
-    "ur_linear_q": [_p, _i64, _i64, _i64, _p, _p, _p, _int, _i64, _i64, _p, _p, _i64, _int],
+    "ur_linear_q": [_p, _int, _i64, _i64, _i64, _p, _p, _p, _int, _i64, _i64, _p, _p, _i64, _int],
     "ur_rows_q": [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p],
     "ur_rms_norm_io": [_p, _int, _p, _int, _i64, _i64, _p, _f32, _p, _int],
     "ur_rope": [_p, _p, _int, _i64, _i64, _i64, _i64, _p, _p],
@@ -360,12 +360,16 @@ def linear_q(x: torch.Tensor, w: PackedQuant, b: torch.Tensor | None = None) -> 
         raise ValueError(f"linear: input has {x.shape[-1]} features, the weight takes {K}")
     flat = x.dim() == 2
     x2 = x if flat else x.reshape(-1, K)
-    xf = x2 if x2.dtype is torch.float32 and x2.is_contiguous() else x2.float().contiguous()
+    xdt = _DTYPES.get(x2.dtype)
+    if xdt is None or x2.stride(-1) != 1:   # rows may lie apart; 16-bit ones are converted in the call
+        x2, xdt = x2.float().contiguous(), 0
     if b is not None and (b.dtype is not torch.float32 or not b.is_contiguous()):
         b = b.float().contiguous()
-    y = torch.empty((xf.shape[0], N), dtype=torch.float32)
-    lib().ur_linear_q(xf.data_ptr(), xf.shape[0], K, K, w.codes.data_ptr(), w.a.data_ptr(), _ptr(w.c), w.bits,
-                      w.group, N, None if b is None else b.data_ptr(), y.data_ptr(), N, torch.get_num_threads())
+    M = x2.shape[0]
+    y = torch.empty((M, N), dtype=torch.float32)
+    lib().ur_linear_q(x2.data_ptr(), xdt, M, K, x2.stride(0) if M > 1 else K, w.codes.data_ptr(), w.a.data_ptr(),
+                      _ptr(w.c), w.bits, w.group, N, None if b is None else b.data_ptr(), y.data_ptr(), N,
+                      torch.get_num_threads())
     if x.dtype is not torch.float32:
         y = y.to(x.dtype)
     return y if flat else y.view(*x.shape[:-1], N)

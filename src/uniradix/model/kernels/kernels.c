@@ -1130,7 +1130,7 @@ void linear_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const
 
 /* y [M, N] = x [M, K] @ W^T (+ bias) over W as stored (above): codes [panels][K / 32][panel
    block], a and c [panels][K / G][16] (c NULL: none). K a multiple of 32 and of G. */
-void ur_linear_q(const float *x, int64_t M, int64_t K, int64_t ldx, const void *codes, const float *a,
+void ur_linear_q(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, const void *codes, const float *a,
                  const float *c, int bits, int64_t G, int64_t N, const float *bias, float *y, int64_t ldy, int nt) {
     if (M <= 0 || N <= 0) return;
     const int64_t nb = K / 32, ng = K / G, pbb = qpanel_block(bits), P = (N + QP - 1) / QP;
@@ -1140,7 +1140,16 @@ void ur_linear_q(const float *x, int64_t M, int64_t K, int64_t ldx, const void *
     float *s = calloc((size_t)(Mp * ng), sizeof(float));   /* padding rows' sums 0: qpanel_amx_g reads them
                                                               (garbage there was slow: denormal operands) */
     int32_t *o = malloc(sizeof(int32_t) * (size_t)(Mp * ng));
-    for (int64_t m = 0; m < M; m++) quantize_row(x + m * ldx, K, G, q + m * K, d + m * nb, s + m * ng, o + m * ng);
+    float *row = xdt == DT_F32 ? NULL : malloc(sizeof(float) * (size_t)K);   /* a 16-bit row, converted exactly */
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = (const float *)x + m * ldx;
+        if (row) {
+            to_f32((const char *)x + m * ldx * elem_size(xdt), xdt, row, K);
+            xr = row;
+        }
+        quantize_row(xr, K, G, q + m * K, d + m * nb, s + m * ng, o + m * ng);
+    }
+    free(row);
 #if defined(UR_AMX)
     if (M >= AMX_ROWS && ur_amx(-1)) {
         qlinear_amx(q, d, s, o, M, K, (const uint8_t *)codes, a, c, bits, G, N, bias, y, ldy, nt);
