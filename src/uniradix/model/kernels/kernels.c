@@ -1051,8 +1051,9 @@ static inline void bf_store(const float *sums, int64_t r0, int64_t M, int64_t p,
 
 /* y [M, N] (f32, row stride ldy) = x [M, K] (bfloat16, row stride ldx) @ W^T (+ bias), W
    bfloat16 panels in pairs [P][K / 2][16][2] (DT_BF16P: a k step's B tile is 1 KiB of a
-   panel, read where it lies), K a multiple of 32. The rows are copied into 16-row blocks
-   (the last padded with zeros, whose sums are never stored); each thread takes a few
+   panel, read where it lies), K a multiple of 32. The rows go in 16-row blocks, read
+   where they lie (a last block of fewer from a copy padded with zero rows, whose sums
+   are never stored); each thread takes a few
    panels at a time and runs every row block against them. Each C tile's chain of
    products waits for the one before, so several run side by side: one row block (a
    decode or verify step) against three panels, or two row blocks against two. (A
@@ -1063,9 +1064,16 @@ void linear_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const
     if (M <= 0 || N <= 0) return;
     const int64_t P = (N + NR - 1) / NR, Mp = (M + BF_ROWS - 1) / BF_ROWS * BF_ROWS;
     const int64_t GP = Mp == BF_ROWS ? 3 : 2, groups = (P + GP - 1) / GP, pw = K * 16;   /* pw: a panel's values */
-    uint16_t *xs = aligned_alloc(64, (size_t)(Mp * K * 2));
-    for (int64_t m = 0; m < M; m++) memcpy(xs + m * K, x + m * ldx, (size_t)K * 2);
-    memset(xs + M * K, 0, (size_t)((Mp - M) * K * 2));
+    /* whole blocks of 16 rows are read where they lie; a last one of fewer from a copy
+       padded with zero rows */
+    const int64_t Mf = M / BF_ROWS * BF_ROWS;
+    uint16_t *xt = Mf < M ? aligned_alloc(64, (size_t)(BF_ROWS * K * 2)) : NULL;
+    if (xt) {
+        for (int64_t m = Mf; m < M; m++) memcpy(xt + (m - Mf) * K, x + m * ldx, (size_t)K * 2);
+        memset(xt + (M - Mf) * K, 0, (size_t)((Mp - M) * K * 2));
+    }
+#define BF_A(m) ((m) < Mf ? x + (m) * ldx : xt)
+#define BF_LDA(m) (((m) < Mf ? ldx : K) * 2)
 #pragma omp parallel num_threads(nt) if (nt > 1 && groups > 1)
     {
         amx_configure_bf16();
@@ -1077,8 +1085,10 @@ void linear_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const
             const uint16_t *w0 = wp + p0 * pw, *w1 = w0 + pw, *w2 = w1 + pw;
             if (GP == 3) {   /* one row block, up to three panels: C0-C2, A4, B5-B7 */
                 _tile_zero(0); _tile_zero(1); _tile_zero(2);
+                const uint16_t *a0 = BF_A(0);
+                const int64_t la0 = BF_LDA(0);
                 for (int64_t k = 0; k < K; k += BF_K) {
-                    _tile_loadd(4, xs + k, K * 2);
+                    _tile_loadd(4, a0 + k, la0);
                     _tile_loadd(5, w0 + k * 16, 64);
                     _tile_dpbf16ps(0, 4, 5);
                     if (np > 1) { _tile_loadd(6, w1 + k * 16, 64); _tile_dpbf16ps(1, 4, 6); }
@@ -1090,15 +1100,16 @@ void linear_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const
             }
             for (int64_t m = 0; m < Mp; m += 2 * BF_ROWS) {   /* two row blocks, two panels: C0-C3, A4-A5, B6-B7 */
                 const int rb = m + BF_ROWS < Mp ? 2 : 1;
-                const uint16_t *a0 = xs + m * K, *a1 = xs + (m + BF_ROWS) * K;
+                const uint16_t *a0 = BF_A(m), *a1 = rb == 2 ? BF_A(m + BF_ROWS) : NULL;
+                const int64_t la0 = BF_LDA(m), la1 = BF_LDA(m + BF_ROWS);
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 for (int64_t k = 0; k < K; k += BF_K) {
-                    _tile_loadd(4, a0 + k, K * 2);
+                    _tile_loadd(4, a0 + k, la0);
                     _tile_loadd(6, w0 + k * 16, 64);
                     _tile_dpbf16ps(0, 4, 6);
                     if (np > 1) { _tile_loadd(7, w1 + k * 16, 64); _tile_dpbf16ps(1, 4, 7); }
                     if (rb == 2) {
-                        _tile_loadd(5, a1 + k, K * 2);
+                        _tile_loadd(5, a1 + k, la1);
                         _tile_dpbf16ps(2, 5, 6);
                         if (np > 1) _tile_dpbf16ps(3, 5, 7);
                     }
@@ -1112,7 +1123,9 @@ void linear_bf16_amx(const uint16_t *x, int64_t M, int64_t K, int64_t ldx, const
         }
         _tile_release();
     }
-    free(xs);
+#undef BF_A
+#undef BF_LDA
+    free(xt);
 }
 #else
 int ur_amx_bf16(int64_t K) { (void)K; return 0; }
