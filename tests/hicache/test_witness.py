@@ -413,30 +413,37 @@ def test_one_checkpoint_at_two_dtypes_never_shares_objects(tmp_path):
         e.close()
 
 
+def _tiny_on_one_store(tmp_path, dtype, seed):
+    """(a factory of engines on one tiny checkpoint in `dtype` over one file store, the
+    first engine's finished request: it wrote the store)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model" / "hf"))
+    from harness import make_tiny
+
+    from uniradix.model.hf import load_checkpoint
+    path = make_tiny("qwen3", str(tmp_path / "ckpt"))
+    store = tmp_path / "l3"
+
+    def eng():
+        return Engine(load_checkpoint(path, dtype=dtype), page_size=4, max_total_tokens=2048,
+                      storage=FileBackend(str(store)), prefetch_threshold=1)
+
+    a = eng()
+    rng = random.Random(seed)
+    r = greedy([rng.randrange(8, 200) for _ in range(60)], 4)
+    a.run([r])
+    assert a.stats()["storage_saved_objects"] > 0
+    return eng, a, r
+
+
 def test_another_arithmetic_never_shares_objects(tmp_path):
     """One checkpoint at one dtype, computed by the row-invariant kernels and by torch's
     (a node without a compiler, or UNIRADIX_KERNELS=torch): their KV differ in bits, so
     the witness (kernels.identity) keeps them apart, and the second answers as its own
     arithmetic does."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model" / "hf"))
-    from harness import make_tiny
-
     from uniradix.model import kernels
-    from uniradix.model.hf import load_checkpoint
     if not kernels.available():
         pytest.skip("the row-invariant kernels are not built here")
-    path = make_tiny("qwen3", str(tmp_path / "ckpt"))
-    store = tmp_path / "l3"
-
-    def eng():
-        return Engine(load_checkpoint(path), page_size=4, max_total_tokens=2048, storage=FileBackend(str(store)),
-                      prefetch_threshold=1)
-
-    a = eng()
-    rng = random.Random(6)
-    r = greedy([rng.randrange(8, 200) for _ in range(60)], 4)
-    a.run([r])
-    assert a.stats()["storage_saved_objects"] > 0
+    eng, a, r = _tiny_on_one_store(tmp_path, torch.float32, 6)
     with kernels.off():
         assert kernels.identity() == "torch"
         b = eng()
@@ -461,25 +468,10 @@ def test_bfloat16_on_amx_tiles_shares_objects_only_with_amx_tiles(tmp_path, dtyp
     vector path's chain (a CPU without them), so a bfloat16 model's witness names it and
     KV written with the tiles is refused where they are off (and the other way round),
     while a float32 model, computed the same everywhere, still shares its objects."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "model" / "hf"))
-    from harness import make_tiny
-
     from uniradix.model import kernels
-    from uniradix.model.hf import load_checkpoint
     if not kernels.amx_bfloat16():
         pytest.skip("no AMX bfloat16 tiles on this CPU")
-    path = make_tiny("qwen3", str(tmp_path / "ckpt"))
-    store = tmp_path / "l3"
-
-    def eng():
-        return Engine(load_checkpoint(path, dtype=dtype), page_size=4, max_total_tokens=2048,
-                      storage=FileBackend(str(store)), prefetch_threshold=1)
-
-    a = eng()
-    rng = random.Random(7)
-    r = greedy([rng.randrange(8, 200) for _ in range(60)], 4)
-    a.run([r])
-    assert a.stats()["storage_saved_objects"] > 0
+    eng, a, r = _tiny_on_one_store(tmp_path, dtype, 7)
     with kernels.no_amx():
         b = eng()
         r2 = greedy(r.input_ids + r.output_ids + [9, 10, 11], 4)
