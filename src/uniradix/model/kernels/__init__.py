@@ -37,7 +37,6 @@ _state = {"tried": False, "why": "", "off": 0}
 _i64, _f32, _int, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
     "ur_linear_io": [_p, _int, _i64, _i64, _i64, _p, _int, _i64, _p, _p, _int, _i64, _int],
-    "ur_elementwise": [_int, _p, _p, _i64, _f32, _int],
     "ur_elementwise_io": [_int, _p, _int, _p, _int, _i64, _f32, _int],
     "ur_attention": [_p, _i64, _i64, _i64, _p, _p, _int, _i64, _p, _p, _p, _f32, _p, _p, _int],
     "ur_delta_rule": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],

@@ -443,13 +443,9 @@ static inline int amx_bf16_product(int xdt, int dt, int64_t K) {
     return xdt == DT_BF16 && dt == DT_BF16P && ur_amx_bf16(K);
 }
 
-/* y (float32) = the product, on AMX's tiles or the vector path (amx_bf16_product) */
-static void product(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, const void *wp, int dt, int64_t N,
-                    const float *bias, float *y, int64_t ldy, int nt) {
-    if (amx_bf16_product(xdt, dt, K)) {
-        linear_bf16_amx((const uint16_t *)x, M, K, ldx, (const uint16_t *)wp, N, bias, y, DT_F32, ldy, nt);
-        return;
-    }
+/* y (float32) = the product on the vector path, x in any of the three dtypes */
+static void vector_product(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, const void *wp, int dt,
+                           int64_t N, const float *bias, float *y, int64_t ldy, int nt) {
     float *owned;
     int64_t lx;
     const float *xf = rows_f32(x, xdt, M, K, ldx, &lx, &owned);
@@ -465,10 +461,10 @@ void ur_linear_io(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, con
     }
     float *tmp = NULL;
     if (ydt == DT_F32) {
-        product(x, xdt, M, K, ldx, wp, dt, N, bias, (float *)y, ldy, nt);
+        vector_product(x, xdt, M, K, ldx, wp, dt, N, bias, (float *)y, ldy, nt);
     } else {
         tmp = (float *)malloc(sizeof(float) * (size_t)(M * N > 0 ? M * N : 1));
-        product(x, xdt, M, K, ldx, wp, dt, N, bias, tmp, N, nt);
+        vector_product(x, xdt, M, K, ldx, wp, dt, N, bias, tmp, N, nt);
         rows_to_bf16(tmp, N, (uint16_t *)y, ldy, M, N);
     }
     free(tmp);
