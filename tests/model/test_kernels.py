@@ -329,6 +329,48 @@ def test_a_product_converts_its_input_and_rounds_its_output_as_torch_would(dtype
     assert torch.isinf(y[0]).any() or torch.isnan(y[0]).any()
 
 
+def _pair_chain(x: torch.Tensor, w: torch.Tensor, odd_first: bool) -> torch.Tensor:
+    """The documented chain of a paired bfloat16 product, in float64 where each step is
+    exact (bfloat16 x bfloat16 products, sums of like magnitude), rounded to float32
+    after every fused multiply-add: per pair of inputs the odd one first (VDPBF16PS),
+    or the even one first (the order before it)."""
+    x, w = x.double(), w.double()
+    acc = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    for k in range(0, x.shape[1], 2):
+        for i in ((k + 1, k) if odd_first else (k, k + 1)):
+            acc = (acc + x[:, i:i + 1] * w[:, i][None]).float().double()
+    return acc.float()
+
+
+def test_paired_bfloat16_products_are_vdpbf16ps_chain():
+    """A bfloat16 x bfloat16 product over paired panels is VDPBF16PS's arithmetic on every
+    CPU: per pair of inputs the odd product first, then the even one, each fused and
+    rounded to float32; denormal inputs read as zero and denormal sums flushed to zero.
+    Where the CPU has AVX512-BF16 the instruction computes it; elsewhere the vector
+    chain does the same steps (test_instruction_sets compares the builds bit for bit).
+    float32 rows against the same panels take the same chain."""
+    torch.manual_seed(31)
+    M, N, K = 6, 21, 38                                      # K % 32 != 0: never AMX's tiles
+    x, wd = torch.randn(M, K).bfloat16(), (torch.randn(N, K) * 0.1).bfloat16()
+    w = kernels.PackedWeight(wd)
+    assert w.paired
+    with kernels.no_amx():
+        y = kernels.linear(x, w, dtype=torch.float32)
+        assert torch.equal(kernels.linear(x.float(), w), y)
+        odd_first = _pair_chain(x, wd, True)
+        assert torch.equal(y, odd_first)
+        assert not torch.equal(y, _pair_chain(x, wd, False))   # the order shows in the bits
+        one = torch.ones(1, 2).bfloat16()
+        tiny = kernels.linear(torch.tensor([[2.0 ** -70, 0.0]]).bfloat16(),
+                              kernels.PackedWeight(torch.full((16, 2), 2.0 ** -70).bfloat16()), dtype=torch.float32)
+        assert torch.equal(tiny, torch.zeros(1, 16))        # a denormal sum (2^-140) flushed to zero
+        sub = torch.tensor([[1e-40, 1.0]]).bfloat16()        # a denormal input read as zero
+        assert sub[0, 0] != 0
+        big = kernels.PackedWeight(torch.tensor([[2.0 ** 100, 0.0]] * 16).bfloat16())
+        assert torch.equal(kernels.linear(sub, big, dtype=torch.float32), torch.zeros(1, 16))   # not 1e-40 * 2^100
+        assert torch.equal(kernels.linear(one, kernels.PackedWeight(torch.ones(16, 2).bfloat16())), torch.full((1, 16), 2.0).bfloat16())
+
+
 @pytest.mark.skipif(not kernels.amx_bfloat16(), reason="no AMX bfloat16 tiles on this CPU")
 @pytest.mark.parametrize("K", [32, 96, 640, 2048])
 def test_bfloat16_products_on_amx_tiles(K):

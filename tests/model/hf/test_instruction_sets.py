@@ -23,22 +23,27 @@ pytestmark = pytest.mark.skipif(os.environ.get("UNIRADIX_KERNELS", "").lower() =
 
 #: what a build for each level below says it runs
 LEVELS = {"icelake-server": "avx512, vnni", "x86-64-v4": "avx512", "x86-64-v3": "avx2", "x86-64": "scalar"}
+#: bfloat16 pairs with denormals: inputs read as zero, products and sums flushed (VDPBF16PS's rule, emulated below it)
+TINY = (2.0 ** -60, 1e-39)
 
 
 def levels_below() -> list[str]:
     """The x86 CPU levels below this CPU's that the kernels' paths differ by:
-    icelake-server (AVX512-VNNI without AMX's tiles) where this CPU has AMX, x86-64-v4
+    icelake-server (AVX512-VNNI without AVX512-BF16's dot products or AMX's tiles) where
+    this CPU has either, x86-64-v4
     (AVX-512 without VNNI) where it has VNNI, x86-64-v3 (the AVX2 paths) where it has
     AVX-512, x86-64 (the scalar ones) on any x86."""
     if platform.machine() not in ("x86_64", "AMD64") or not kernels.available():
         return []
     here = kernels.lib().ur_isa().decode()
-    return ((["icelake-server"] if kernels.lib().ur_amx(-1) else []) + (["x86-64-v4"] if "vnni" in here else [])
+    return ((["icelake-server"] if kernels.lib().ur_amx(-1) or "bf16" in here else [])
+            + (["x86-64-v4"] if "vnni" in here else [])
             + (["x86-64-v3"] if here.startswith("avx512") else []) + (["x86-64"] if here != "scalar" else []))
 
 
 def every_kernel() -> list[torch.Tensor]:
-    """Every kernel on inputs with tails everywhere: products (dense in three dtypes, bfloat16 activations too, and
+    """Every kernel on inputs with tails everywhere: products (dense in three dtypes, bfloat16 activations too,
+    denormals in bfloat16 pairs, and
     every GGUF block format, 45 outputs: a padded last panel) at 1 to 9 rows (each row
     tiling of every path) and the quantized ones at 35 (AMX's tiles, two full and a tail), attention over a pool (bfloat16, grouped heads, sinks,
     windows; wide float32 and float16 heads), RMSNorm (with a residual too), RoPE, argmax
@@ -56,6 +61,11 @@ def every_kernel() -> list[torch.Tensor]:
         out += [kernels.linear(x.bfloat16(), w, bias) for w, _ in cases[1:2] for x in xs + [torch.randn(35, K)]]
         odd = kernels.PackedWeight((torch.randn(N, K - 1) * 0.1).bfloat16())   # unpaired panels
         out += [kernels.linear(torch.randn(m, K - 1).bfloat16(), odd, bias) for m in (1, 9)]
+        small = kernels.PackedWeight((torch.randn(N, K) * TINY[0]).bfloat16())
+        for m in (1, 9):   # denormal products, sums and inputs in bfloat16 pairs, float32 rows beside them
+            xt = torch.randn(m, K) * TINY[0]
+            xt[:, ::3] = TINY[1]
+            out += [kernels.linear(xt.bfloat16(), small, dtype=torch.float32), kernels.linear(xt, small)]
     many = torch.randn(35, K)   # quantized products of 16 rows and more: AMX's tiles where this CPU has them
     out += [fn(many, w, bias) for w, fn in cases if fn is kernels.linear_q]
     H, KV, d, slots, rows = 8, 2, 40, 300, 70

@@ -6,8 +6,10 @@ however many rows come together), every dense weight is packed for them at load 
 a kernels.PackedWeight, or PackedExperts for an expert stack) and `dense()` multiplies
 by them: a token's row is the same bits in a decode step, a prefill chunk and the
 no-cache forward, in float32, bfloat16 and float16 alike, and 16-bit weights are read
-as stored, converted in registers (bfloat16 activations times bfloat16 weights: on
-AMX's tiles where the CPU has them, at every row count, their own rounding). A plain CPU weight reaching `dense()` is packed on
+as stored, converted in registers (bfloat16 weights in pairs of inputs, each pair's
+odd product first as VDPBF16PS adds them, which computes it where the CPU has
+AVX512-BF16; bfloat16 activations times bfloat16 weights: on AMX's tiles where the CPU
+has them, at every row count, their own rounding). A plain CPU weight reaching `dense()` is packed on
 the way (kept, so once per weight).
 
 Without them (no C compiler, UNIRADIX_KERNELS=torch, another device), what follows holds:

@@ -208,7 +208,8 @@ class PackedWeight(_Packed):
     """W [out, in] in panels of NR output columns, [panel][in][NR], in its own dtype
     (float32, bfloat16 or float16); what `linear` multiplies. A bfloat16 weight with an
     even number of inputs lies in pairs, [panel][in / 2][NR][2] (`paired`: how AMX's
-    bfloat16 tiles read it, and the vector path too). Holds the same values as the dense
+    bfloat16 tiles and VDPBF16PS read it, and the vector path too, each pair's odd
+    input first). Holds the same values as the dense
     weight (`dense()` gives it back, for the witness and for moving it)."""
 
     __slots__ = ("panels", "out_features", "in_features")
@@ -463,8 +464,9 @@ class PackedExperts:
 def linear(x: torch.Tensor, w: PackedWeight, b: torch.Tensor | None = None,
            dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., in] @ W^T (+ b) accumulated in float32 (each output one chain of fused
-    multiply-adds in input order; bfloat16 x bfloat16 on AMX's tiles where the CPU has
-    them), rounded once to x's dtype (or `dtype`: float32 keeps the sums). (Called ~100 times a decode
+    multiply-adds in input order, paired bfloat16 weights each pair's odd input first,
+    by VDPBF16PS for bfloat16 rows where the CPU has AVX512-BF16; bfloat16 x bfloat16 on
+    AMX's tiles where the CPU has them), rounded once to x's dtype (or `dtype`: float32 keeps the sums). (Called ~100 times a decode
     step: every torch call here costs microseconds, so none is made that is not needed.)"""
     K, N = w.in_features, w.out_features
     if x.shape[-1] != K:

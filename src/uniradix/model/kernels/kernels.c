@@ -7,13 +7,15 @@
    any size, in a speculative verify chunk and in the no-cache forward; that is what keeps
    reuse exact in every precision.
 
-   - Products (ur_linear): y[m, n] = sum_k x[m, k] * w[n, k] as one chain of fused
+   - Products (ur_linear_io): y[m, n] = sum_k x[m, k] * w[n, k] as one chain of fused
      multiply-adds in k order from 0, in float32, whatever the weight's dtype (float32,
      bfloat16, float16: converted exactly in registers, never into a float matrix). The
      weight is packed once into panels of 16 output columns, [panel][k][16] (bfloat16 in
-     pairs of k, DT_BF16P); a vector lane holds one output column, so AVX-512, AVX2 and
-     the scalar fallback give the same bits. bfloat16 x bfloat16 where the CPU has AMX:
-     its bfloat16 tiles at every row count (linear_bf16_amx), their own rounding.
+     pairs of k, DT_BF16P, whose chain is VDPBF16PS's: each pair odd input first, denormals
+     flushed; that instruction computes it where the CPU has AVX512-BF16); a vector lane
+     holds one output column, so AVX-512, AVX2 and the scalar fallback give the same bits.
+     bfloat16 x bfloat16 where the CPU has AMX: its bfloat16 tiles at every row count
+     (linear_bf16_amx), their own rounding.
    - Elementwise functions (exp, sigmoid, silu, softplus, gelu_tanh, tanh) from basic IEEE
      operations only: the vector loop and its tail compute the same function.
    - Attention over keys where they lie in the pools, each query's scores, softmax and
@@ -32,12 +34,17 @@
 
 #if defined(__AVX512F__) && defined(__FMA__)
 #include <immintrin.h>
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define UR_ISA "avx512, vnni, bf16"
+#elif defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define UR_ISA "avx512, vnni"
 #else
 #define UR_ISA "avx512"
 #endif
 #define UR_AVX512 1
+#if defined(__AVX512BF16__)
+#define UR_BF16DP 1   /* bfloat16 pairs by VDPBF16PS (tile_pairs) */
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define UR_ISA "avx2"
@@ -49,13 +56,14 @@
 #define NR 16          /* output columns per packed panel */
 
 /* DT_BF16P: bfloat16 panels in pairs, [K / 2][16][2] (inputs 2i and 2i + 1 of an output
-   side by side: how AMX's bfloat16 tiles read a weight); the others [K][16] */
+   side by side: how AMX's bfloat16 tiles and VDPBF16PS read a weight); the others [K][16] */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_BF16P = 3 };
 
 const char *ur_isa(void) { return UR_ISA; }
 /* the arithmetic's version: raised when any kernel's bits change (2: quantized products sum
-   each group in integers, one chain of groups), so stored KV of another never meets this */
-int ur_version(void) { return 2; }
+   each group in integers, one chain of groups; 3: paired bfloat16 panels in VDPBF16PS's
+   order), so stored KV of another never meets this */
+int ur_version(void) { return 3; }
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -208,6 +216,50 @@ static inline wvec wloadf(const float *p, int n) {
 /* MR rows x NP panels over k in [k0, k1): the accumulators start from zero (k0 == 0) or
    from y, where the previous k block left them: the chain continues, in k order. */
 #define KBLOCK 512
+#if defined(UR_AVX512)
+#define MR_BULK 8
+#define NP_BULK 2
+#else
+#define MR_BULK 6
+#define NP_BULK 1
+#endif
+#define NP_ONE 4   /* a few rows: this many panels at a time, for independent chains */
+#if defined(UR_AVX512)
+#define MR_ONE 4   /* rows that take NP_ONE panels at a time (their sums fit the registers) */
+#else
+#define MR_ONE 1
+#endif
+
+/* A paired bfloat16 panel's chain (DT_BF16P) is VDPBF16PS's arithmetic, so that the
+   instruction computes it where the CPU has AVX512-BF16 (tile_pairs) and every other
+   path gives the same bits: per pair of inputs, the odd one's product first, then the
+   even one's, each a fused multiply-add rounded to nearest even, denormal inputs read as
+   zero and denormal sums flushed to zero (DAZ, FTZ). Elsewhere the chain runs with the
+   floating-point mode set so for its duration (x86; another CPU keeps denormals). */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+static inline unsigned pair_mode_on(void) {
+    const unsigned was = _mm_getcsr();
+    _mm_setcsr(was | 0x8040u);   /* FTZ (bit 15) and DAZ (bit 6) */
+    return was;
+}
+static inline void pair_mode_off(unsigned was) { _mm_setcsr(was); }
+#else
+static inline unsigned pair_mode_on(void) { return 0; }
+static inline void pair_mode_off(unsigned was) { (void)was; }
+#endif
+
+/* The accumulators of a tile (plus the bias once the chain is complete) into y. */
+static inline __attribute__((always_inline)) void tile_store(
+    int MR, int NP, wvec acc[8][4], const int *ncol, int64_t p0, float *y, int64_t ldy, int last, const float *bias) {
+    for (int j = 0; j < NP; j++) {
+        if (last && bias != NULL) {
+            wvec b = wloadf(bias + (p0 + j) * NR, ncol[j]);
+            for (int r = 0; r < MR; r++) acc[r][j] = WV_ADD(acc[r][j], b);
+        }
+        for (int r = 0; r < MR; r++) wstore(y + r * ldy + (p0 + j) * NR, acc[r][j], ncol[j]);
+    }
+}
 
 static inline __attribute__((always_inline)) void tile(
     int MR, int NP, const float *x, int64_t ldx, const char *wp, int dt, int64_t K, int64_t p0,
@@ -224,15 +276,17 @@ static inline __attribute__((always_inline)) void tile(
         for (int j = 0; j < NP; j++)
             acc[r][j] = k0 == 0 ? WV_ZERO() : wloadf(y + r * ldy + (p0 + j) * NR, ncol[j]);
     const char *w0 = wp + p0 * ps + k0 * es;
-    if (dt == DT_BF16P) {   /* k0 and k1 even: a pair's line, then its two inputs in k order */
+    if (dt == DT_BF16P) {   /* k0 and k1 even: a pair's line, its odd input, then its even one */
+        const unsigned mode = pair_mode_on();
         for (int64_t k = k0; k < k1; k += 2, w0 += 2 * es) {
             wvec w[4], u[4];
             for (int j = 0; j < NP; j++) w[j] = wload_pair(w0 + j * ps, 0), u[j] = wload_pair(w0 + j * ps, 1);
             for (int r = 0; r < MR; r++)
-                for (int j = 0; j < NP; j++) acc[r][j] = WV_FMA(x[r * ldx + k], w[j], acc[r][j]);
-            for (int r = 0; r < MR; r++)
                 for (int j = 0; j < NP; j++) acc[r][j] = WV_FMA(x[r * ldx + k + 1], u[j], acc[r][j]);
+            for (int r = 0; r < MR; r++)
+                for (int j = 0; j < NP; j++) acc[r][j] = WV_FMA(x[r * ldx + k], w[j], acc[r][j]);
         }
+        pair_mode_off(mode);
     } else {
         for (int64_t k = k0; k < k1; k++, w0 += es) {
             for (int j = 0; j < NP; j++) {
@@ -242,29 +296,67 @@ static inline __attribute__((always_inline)) void tile(
             }
         }
     }
-    for (int j = 0; j < NP; j++) {
-        if (k1 == K && bias != NULL) {
-            wvec b = wloadf(bias + (p0 + j) * NR, ncol[j]);
-            for (int r = 0; r < MR; r++) acc[r][j] = WV_ADD(acc[r][j], b);
-        }
-        for (int r = 0; r < MR; r++) wstore(y + r * ldy + (p0 + j) * NR, acc[r][j], ncol[j]);
-    }
+    tile_store(MR, NP, acc, ncol, p0, y, ldy, k1 == K, bias);
 }
 
-#if defined(UR_AVX512)
-#define MR_BULK 8
-#define NP_BULK 2
-#else
-#define MR_BULK 6
-#define NP_BULK 1
+#if defined(UR_BF16DP)
+/* tile() for bfloat16 rows against a paired bfloat16 panel, by VDPBF16PS: a pair of
+   inputs a step, broadcast, against a panel's line of 16 outputs x 2 inputs (the same
+   chain as tile's DT_BF16P, computed by the instruction). x: the rows' pairs interleaved
+   (pack_pairs), row r's pair i at x[i * MR_BULK + r], so every row is one offset from
+   one pointer. */
+static inline __attribute__((always_inline)) void tile_pairs(
+    int MR, int NP, const int32_t *x, const char *wp, int64_t K, int64_t p0,
+    int64_t N, float *y, int64_t ldy, int64_t k0, int64_t k1, const float *bias) {
+    wvec acc[8][4];
+    const int64_t ps = K * NR * 2;   /* bytes per panel */
+    int ncol[4];
+    for (int j = 0; j < NP; j++) {
+        int64_t c = N - (p0 + j) * NR;
+        ncol[j] = c >= NR ? NR : (int)c;
+    }
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < NP; j++)
+            acc[r][j] = k0 == 0 ? WV_ZERO() : wloadf(y + r * ldy + (p0 + j) * NR, ncol[j]);
+    const char *w0 = wp + p0 * ps + k0 * NR * 2;
+    for (int64_t k = k0; k < k1; k += 2, w0 += 2 * NR * 2) {
+        __m512i w[4];
+        for (int j = 0; j < NP; j++) w[j] = _mm512_loadu_si512(w0 + j * ps);
+        for (int r = 0; r < MR; r++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(x[k * (MR_BULK / 2) + r]);
+            for (int j = 0; j < NP; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)w[j], b);
+        }
+    }
+    tile_store(MR, NP, acc, ncol, p0, y, ldy, k1 == K, bias);
+}
 #endif
-#define NP_ONE 4   /* one row: this many panels at a time, for independent chains */
 
-/* the tiles for one weight dtype (a constant here, so the inner loop has no branch) */
+
+/* Row m of x: float32 rows (xdt DT_F32, row stride ldx), or bfloat16 ones as pack_pairs
+   lays them out (DT_BF16: blocks of MR_BULK rows, K / 2 pairs a row, interleaved) */
+static inline const void *x_row(const void *x, int xdt, int64_t m, int64_t ldx, int64_t K) {
+    if (xdt == DT_F32) return (const float *)x + m * ldx;
+    return (const int32_t *)x + m / MR_BULK * (K / 2) * MR_BULK + m % MR_BULK;
+}
+
+/* the tiles for one weight dtype and one x dtype (constants here, so the inner loop has
+   no branch): x float32 for tile(), bfloat16 for tile_pairs() */
 static inline __attribute__((always_inline)) void tile_rows_dt(
-    int mr, int np, const float *x, int64_t ldx, const char *wp, const int dt, int64_t K, int64_t p0, int64_t N,
-    float *y, int64_t ldy, int64_t k0, int64_t k1, const float *b) {
-#define T(R, P) tile(R, P, x, ldx, wp, dt, K, p0, N, y, ldy, k0, k1, b)
+    int mr, int np, const void *x, const int xdt, int64_t ldx, const char *wp, const int dt, int64_t K, int64_t p0,
+    int64_t N, float *y, int64_t ldy, int64_t k0, int64_t k1, const float *b) {
+#if defined(UR_BF16DP)
+#define T(R, P) do {                                                                                   \
+        if (xdt == DT_BF16) tile_pairs(R, P, (const int32_t *)x, wp, K, p0, N, y, ldy, k0, k1, b);       \
+        else tile(R, P, (const float *)x, ldx, wp, dt, K, p0, N, y, ldy, k0, k1, b);                    \
+    } while (0)
+#define T1(X, P0, Y) do {                                                                              \
+        if (xdt == DT_BF16) tile_pairs(1, 1, (const int32_t *)(X), wp, K, P0, N, Y, ldy, k0, k1, b);     \
+        else tile(1, 1, (const float *)(X), ldx, wp, dt, K, P0, N, Y, ldy, k0, k1, b);                  \
+    } while (0)
+#else
+#define T(R, P) tile(R, P, (const float *)x, ldx, wp, dt, K, p0, N, y, ldy, k0, k1, b)
+#define T1(X, P0, Y) tile(1, 1, (const float *)(X), ldx, wp, dt, K, P0, N, Y, ldy, k0, k1, b)
+#endif
     if (np == NP_BULK) {
         switch (mr) {
         case 1: T(1, NP_BULK); return;
@@ -279,25 +371,38 @@ static inline __attribute__((always_inline)) void tile_rows_dt(
 #endif
         }
     }
-    if (mr == 1 && np == NP_ONE) { T(1, NP_ONE); return; }
+    if (np == NP_ONE) {
+        switch (mr) {
+        case 1: T(1, NP_ONE); return;
+#if defined(UR_AVX512)
+        case 2: T(2, NP_ONE); return;
+        case 3: T(3, NP_ONE); return;
+        case 4: T(4, NP_ONE); return;
+#endif
+        }
+    }
     for (int j = 0; j < np; j++)
-        for (int r = 0; r < mr; r++)
-            tile(1, 1, x + r * ldx, ldx, wp, dt, K, p0 + j, N, y + r * ldy, ldy, k0, k1, b);
+        for (int r = 0; r < mr; r++) T1(x_row(x, xdt, r, ldx, K), p0 + j, y + r * ldy);
 #undef T
+#undef T1
 }
 
-static void tile_rows(int mr, int np, const float *x, int64_t ldx, const char *wp, int dt, int64_t K,
+static void tile_rows(int mr, int np, const void *x, int xdt, int64_t ldx, const char *wp, int dt, int64_t K,
                       int64_t p0, int64_t N, float *y, int64_t ldy, int64_t k0, int64_t k1, const float *b) {
-    if (dt == DT_F32) tile_rows_dt(mr, np, x, ldx, wp, DT_F32, K, p0, N, y, ldy, k0, k1, b);
-    else if (dt == DT_BF16) tile_rows_dt(mr, np, x, ldx, wp, DT_BF16, K, p0, N, y, ldy, k0, k1, b);
-    else if (dt == DT_BF16P) tile_rows_dt(mr, np, x, ldx, wp, DT_BF16P, K, p0, N, y, ldy, k0, k1, b);
-    else tile_rows_dt(mr, np, x, ldx, wp, DT_F16, K, p0, N, y, ldy, k0, k1, b);
+#if defined(UR_BF16DP)
+    if (xdt == DT_BF16) { tile_rows_dt(mr, np, x, DT_BF16, ldx, wp, DT_BF16P, K, p0, N, y, ldy, k0, k1, b); return; }
+#endif
+    if (dt == DT_F32) tile_rows_dt(mr, np, x, DT_F32, ldx, wp, DT_F32, K, p0, N, y, ldy, k0, k1, b);
+    else if (dt == DT_BF16) tile_rows_dt(mr, np, x, DT_F32, ldx, wp, DT_BF16, K, p0, N, y, ldy, k0, k1, b);
+    else if (dt == DT_BF16P) tile_rows_dt(mr, np, x, DT_F32, ldx, wp, DT_BF16P, K, p0, N, y, ldy, k0, k1, b);
+    else tile_rows_dt(mr, np, x, DT_F32, ldx, wp, DT_F16, K, p0, N, y, ldy, k0, k1, b);
 }
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ W^T (+ bias [N]), W packed as
-   ceil(N / 16) panels [K][16] of dtype dt. */
-void ur_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wp, int dt, int64_t N,
-               const float *bias, float *y, int64_t ldy, int nt) {
+   ceil(N / 16) panels [K][16] of dtype dt; x float32, or bfloat16 where tile_pairs takes
+   it (paired weights, AVX512-BF16). */
+static void product(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, const void *wp, int dt, int64_t N,
+                    const float *bias, float *y, int64_t ldy, int nt) {
     const int64_t P = (N + NR - 1) / NR;
     if (M <= 0 || N <= 0) return;
     if (K == 0) {
@@ -312,12 +417,12 @@ void ur_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wp
         for (int64_t g = 0; g < groups; g++) {
             int64_t p0 = g * NP_ONE;
             int np = P - p0 >= NP_ONE ? NP_ONE : (int)(P - p0);
-            if (M == 1) {
-                tile_rows(1, np, x, ldx, (const char *)wp, dt, K, p0, N, y, ldy, 0, K, bias);
+            if (M <= MR_ONE) {
+                tile_rows((int)M, np, x, xdt, ldx, (const char *)wp, dt, K, p0, N, y, ldy, 0, K, bias);
             } else {
                 for (int64_t pp = p0; pp < p0 + np; pp += NP_BULK) {
                     int q = p0 + np - pp >= NP_BULK ? NP_BULK : (int)(p0 + np - pp);
-                    tile_rows((int)M, q, x, ldx, (const char *)wp, dt, K, pp, N, y, ldy, 0, K, bias);
+                    tile_rows((int)M, q, x, xdt, ldx, (const char *)wp, dt, K, pp, N, y, ldy, 0, K, bias);
                 }
             }
         }
@@ -337,8 +442,8 @@ void ur_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *wp
                 int64_t k1 = k0 + KBLOCK < K ? k0 + KBLOCK : K;
                 for (int64_t m = m0; m < m1; m += MR_BULK) {
                     int mr = m1 - m >= MR_BULK ? MR_BULK : (int)(m1 - m);
-                    tile_rows(mr, np, x + m * ldx, ldx, (const char *)wp, dt, K, p0, N, y + m * ldy, ldy, k0, k1,
-                              bias);
+                    tile_rows(mr, np, x_row(x, xdt, m, ldx, K), xdt, ldx, (const char *)wp, dt, K, p0, N, y + m * ldy,
+                              ldy, k0, k1, bias);
                 }
             }
         }
@@ -443,13 +548,36 @@ static inline int amx_bf16_product(int xdt, int dt, int64_t K) {
     return xdt == DT_BF16 && dt == DT_BF16P && ur_amx_bf16(K);
 }
 
+#if defined(UR_BF16DP)
+/* bfloat16 rows [M, K] (row stride ldx, K even) as tile_pairs reads them: blocks of
+   MR_BULK rows, each row's pair i (inputs 2i, 2i + 1, one int32) at i * MR_BULK + r */
+static int32_t *pack_pairs(const uint16_t *x, int64_t M, int64_t K, int64_t ldx) {
+    const int64_t h = K / 2, blocks = (M + MR_BULK - 1) / MR_BULK;
+    int32_t *xp = (int32_t *)malloc(sizeof(int32_t) * (size_t)(blocks * h * MR_BULK));
+    for (int64_t m = 0; m < M; m++) {
+        int32_t *d = xp + m / MR_BULK * h * MR_BULK + m % MR_BULK;
+        const uint16_t *s = x + m * ldx;
+        for (int64_t i = 0; i < h; i++) memcpy(d + i * MR_BULK, s + 2 * i, 4);
+    }
+    return xp;
+}
+#endif
+
 /* y (float32) = the product on the vector path, x in any of the three dtypes */
 static void vector_product(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, const void *wp, int dt,
                            int64_t N, const float *bias, float *y, int64_t ldy, int nt) {
+#if defined(UR_BF16DP)
+    if (xdt == DT_BF16 && dt == DT_BF16P) {   /* by VDPBF16PS */
+        int32_t *xp = pack_pairs((const uint16_t *)x, M, K, ldx);
+        product(xp, DT_BF16, M, K, 0, wp, dt, N, bias, y, ldy, nt);
+        free(xp);
+        return;
+    }
+#endif
     float *owned;
     int64_t lx;
     const float *xf = rows_f32(x, xdt, M, K, ldx, &lx, &owned);
-    ur_linear(xf, M, K, lx, wp, dt, N, bias, y, ldy, nt);
+    product(xf, DT_F32, M, K, lx, wp, dt, N, bias, y, ldy, nt);
     free(owned);
 }
 
