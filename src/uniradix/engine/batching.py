@@ -163,7 +163,8 @@ class Batching:
         first = _first_scoring_row(st, s, e)
         if first is not None:
             rows = max(rows, e - first)
-        return PagedInput(st.tokens[s:e], s, st.pages, st.state_slot, st.captures(s, e), logit_rows=rows)
+        return PagedInput(st.tokens[s:e], s, st.pages, st.state_slot, st.captures(s, e), logit_rows=rows,
+                          greedy=first is None and argmax_only(st.owner))
 
     def _advance(self, st: RequestState, inp: PagedInput, logits: torch.Tensor, done: list[Request]) -> None:
         if st.spec is not None and st.spec.pending is not None:
@@ -256,6 +257,12 @@ class Batching:
         self.cache.cache_finished(st, session_id)
         if self.storage is not None:
             self.storage.write_through(st)
+
+
+def argmax_only(req: Request) -> bool:
+    """Whether a request uses its logits only for their argmax (greedy, no logprobs, no
+    recorded logits): then the model may hand back the tokens (PagedInput.greedy)."""
+    return req.sampling.greedy and req.logprobs is None and not req.record_logits
 
 
 def _first_scoring_row(st: RequestState, s: int, e: int) -> int | None:

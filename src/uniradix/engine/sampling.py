@@ -9,7 +9,10 @@ from .request import SamplingParams
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """Greedy at temperature 0; otherwise a draw from `distribution`, with the request's
-    own generator."""
+    own generator. An int64 "row" is the token the model's greedy head already picked
+    (PagedInput.greedy: only for greedy requests)."""
+    if logits.dtype is torch.int64:
+        return int(logits)
     if params.temperature == 0:
         if logits.dtype is torch.float32 and logits.dim() == 1 and logits.device.type == "cpu" and kernels.available():
             return kernels.argmax(logits)

@@ -191,7 +191,8 @@ class Speculation:
                     st.spec.pending = drafts
                     end = inp.start + 1 + len(drafts)
                     inp = PagedInput(inp.tokens + drafts, inp.start, st.pages, st.state_slot,
-                                     {**captures, **st.captures(inp.start, end)}, logit_rows=1 + len(drafts))
+                                     {**captures, **st.captures(inp.start, end)}, logit_rows=1 + len(drafts),
+                                     greedy=inp.greedy)
             out.append((st, inp))
         return out
 

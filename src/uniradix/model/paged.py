@@ -27,7 +27,10 @@ class PagedInput:
     recurrent state there (checkpoints). `logit_rows`: how many of the last new tokens
     get logits; the LM head (a vocabulary-wide matmul per row) runs only on those. None:
     every new token (the oracle's view); an engine asks for 1 on the row it samples and
-    0 for a prefill chunk that does not reach the end of the request's tokens."""
+    0 for a prefill chunk that does not reach the end of the request's tokens.
+    `greedy`: the rows' logits are only argmaxed (greedy sampling, no logprobs, none
+    recorded), so a model may answer with each row's argmax token instead (a 1-D int64
+    tensor: the token torch.argmax picks over the logits, bit for bit)."""
 
     tokens: list[int]
     start: int
@@ -35,6 +38,7 @@ class PagedInput:
     state_slot: int | None = None
     capture: dict[int, int] = field(default_factory=dict)
     logit_rows: int | None = None
+    greedy: bool = False
 
     @property
     def end(self) -> int:

@@ -46,7 +46,8 @@ def every_kernel() -> list[torch.Tensor]:
     denormals in bfloat16 pairs, and
     every GGUF block format, 45 outputs: a padded last panel) at 1 to 9 rows (each row
     tiling of every path) and the quantized ones at 35 (AMX's tiles, two full and a tail), attention over a pool (bfloat16, grouped heads, sinks,
-    windows; wide float32 and float16 heads), RMSNorm (with a residual too), RoPE, argmax
+    windows; wide float32 and float16 heads), RMSNorm (with a residual too), RoPE, argmax, the
+    greedy head's int8 copy and candidates
     and the elementwise functions."""
     torch.manual_seed(11)
     N, K = 45, 512
@@ -91,6 +92,10 @@ def every_kernel() -> list[torch.Tensor]:
     y = x.clone()
     y[3, 100], y[4, 7], y[5] = float("nan"), float("nan"), 2.0  # NaNs (first found), a row of ties
     out.append(torch.tensor([kernels.argmax(r) for r in y] + [kernels.argmax(torch.randn(1000) * 3)]))
+    gh = kernels.GreedyHead(kernels.PackedWeight(torch.randn(45, 130) * 0.1))   # the greedy head's int8 bound
+    for dt in (torch.float32, torch.bfloat16):
+        out += [c if c is not None else torch.tensor([-1]) for c in gh.candidates((x[:9] * 2).to(dt), dt)]
+    out += [gh.codes, gh.colsum, gh.s, gh.e, gh.w]
     out += [kernels.elementwise(op, x * 4, 20.0) for op in kernels.OPS]
     xb = (x * 4).bfloat16()                   # 16-bit inputs and outputs converted inside the calls
     out += [kernels.elementwise(op, xb, 20.0) for op in ("gelu_tanh", "silu")]

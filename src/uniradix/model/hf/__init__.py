@@ -59,7 +59,9 @@ def load_checkpoint(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         ckpt = read_gguf(path, dtype)
     else:
         ckpt = read_checkpoint(path, dtype)
-    return family_for(ckpt)(ckpt, dtype).quantize(quantization).pack_linears()
+    model = family_for(ckpt)(ckpt, dtype).quantize(quantization).pack_linears()
+    model.greedy_head()   # built now where it pays, not in the first greedy request's time
+    return model
 
 
 __all__ = ["FAMILY_MODULES", "families", "family_for_config", "HFModel", "Checkpoint", "read_checkpoint",

@@ -15,12 +15,13 @@ import struct
 import torch
 
 from ...specs import FullKV, KVShape, LayerState, RecurrentState, SlidingWindowKV, group_layers
+from .. import kernels
 from ..base import PagedModel
 from ..paged import head_rows
 from .checkpoint import Checkpoint
 from .config_forms import FULL, HYBRID, LINEAR, SLIDING, ConfigError, Layer, config_source, layer_count, \
     listed_kinds, single_rope, with_defaults
-from .ops import Batch, rope_inv_freq
+from .ops import Batch, linear, rope_inv_freq
 from .weights_forms import HFWeights
 
 FULL_KV = FullKV()
@@ -30,6 +31,16 @@ LAYER_MARKERS = ("layer_types", "layers_block_type", "sliding_window_pattern", "
                  "hybrid_override_pattern", "attn_layer_indices", "attn_layer_period", "attn_layer_offset")
 #: where a config states its context, first found wins (transformers' name first)
 CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
+#: the head size (vocabulary x inputs) from which greedy rows take the greedy head
+GREEDY_HEAD_MIN = 1 << 22
+
+
+def greedy_head_pays(head) -> bool:
+    """Whether the greedy head is worth building for this head here: large enough, and
+    int8 dot products (AVX512-VNNI) to read its int8 copy at the memory's speed (it
+    gives the same tokens either way)."""
+    return (head.out_features * head.in_features >= GREEDY_HEAD_MIN and kernels.available()
+            and "vnni" in kernels.lib().ur_isa().decode())
 
 
 def _as_float32(x):
@@ -255,10 +266,37 @@ class HFModel(HFWeights, PagedModel):
         ops.paged_attention, recurrent mixers through ops.run_recurrent."""
         raise NotImplementedError
 
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm over the rows x [n, D] that get logits, in the model's dtype."""
+        raise NotImplementedError
+
+    def finish(self, logits: torch.Tensor) -> torch.Tensor:
+        """What the family does to the head's products (a scaling, a soft cap): none here."""
+        return logits
+
+    #: whether `finish` keeps the order of any two logits (never puts a smaller one above
+    #: a larger), so that the greedy head may pick the argmax from a few exact words
+    finish_keeps_order = True
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head over the rows x [n, D] that get logits (row by row:
         the forward hands it only the rows it samples)."""
-        raise NotImplementedError
+        return self.finish(linear(self.final_norm(x), self.tied_head()))
+
+    def greedy_head(self) -> kernels.GreedyHead | None:
+        """The head's int8 bound for greedy rows (kernels.GreedyHead: the same argmax from
+        half a bfloat16 head's bytes, a quarter of a float32 one's), built on first use
+        where it pays (greedy_head_pays) and the finish keeps the order; else None (the
+        full head)."""
+        head = self.tied_head()
+        if self._greedy_for is not head:   # first use, or the head changed (moved, quantized)
+            self._greedy = (kernels.GreedyHead(head) if isinstance(head, kernels.PackedWeight)
+                            and self.finish_keeps_order and greedy_head_pays(head) else False)
+            self._greedy_for = head
+        return self._greedy or None
+
+    _greedy = None
+    _greedy_for = None
 
     @torch.no_grad()
     def forward(self, pools, inputs, wait_layer=None):
@@ -276,9 +314,36 @@ class HFModel(HFWeights, PagedModel):
             x = self.block(i, x, batch)
         if rows is not None:
             x = x.index_select(0, rows)
-        logits = self.head(x).float()
+        out = self._outputs(x, inputs, counts)
         batch.commit()  # only now does any request's recurrent state advance
-        return list(logits.split(counts))
+        return out
+
+    def _outputs(self, x: torch.Tensor, inputs, counts: list[int]) -> list[torch.Tensor]:
+        """Each input's logits [n, vocab], or, for an input marked `greedy` where the
+        greedy head runs, its rows' argmax tokens [n] (int64: what sampling would pick)."""
+        greedy = self.greedy_head() if any(i.greedy and n for i, n in zip(inputs, counts)) else None
+        if greedy is None:
+            return list(self.head(x).float().split(counts))
+        parts = list(x.split(counts))
+        out: list = [None] * len(inputs)
+        picks = [i for i, inp in enumerate(inputs) if inp.greedy and counts[i]]
+        xn = self.final_norm(torch.cat([parts[i] for i in picks]))
+        tokens = greedy.argmax(xn, self.finish)
+        full = [r for r, t in enumerate(tokens) if t is None]
+        if full:   # rows the bound left undecided: the full head's argmax
+            for r, row in zip(full, self.head(torch.cat([parts[i] for i in picks]).index_select(
+                    0, torch.as_tensor(full))).float()):
+                tokens[r] = kernels.argmax(row.contiguous())
+        at = 0
+        for i in picks:
+            out[i] = torch.as_tensor(tokens[at:at + counts[i]], dtype=torch.int64)
+            at += counts[i]
+        rest = [i for i in range(len(inputs)) if out[i] is None]
+        if rest:
+            logits = self.head(torch.cat([parts[i] for i in rest])).float().split([counts[i] for i in rest])
+            for i, lg in zip(rest, logits):
+                out[i] = lg
+        return out
 
     @torch.no_grad()
     def reference(self, tokens) -> torch.Tensor:

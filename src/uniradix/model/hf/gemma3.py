@@ -119,8 +119,14 @@ class Gemma3(HFModel):
         """h @ W^T, plus the bias where the checkpoint has one (attention_bias)."""
         return linear(h, self.w(name + ".weight"), self.weights.get(name + ".bias"))
 
-    def head(self, x):
-        logits = linear(rms_norm(x, self.w("model.norm.weight"), self.eps, 1.0, dtype=self.dtype), self.tied_head())
+    def final_norm(self, x):
+        return rms_norm(x, self.w("model.norm.weight"), self.eps, 1.0, dtype=self.dtype)
+
+    def finish(self, logits):
         if self.final_softcap is not None:
             logits = tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    @property
+    def finish_keeps_order(self) -> bool:
+        return self.final_softcap is None   # tanh in floating point may swap two near logits

@@ -150,5 +150,5 @@ class GptOss(HFModel):
         up = gu[..., 1::2].clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * sigmoid(gate * self.alpha))
 
-    def head(self, x):
-        return linear(rms_norm(x, self.w("model.norm.weight"), self.eps, dtype=self.dtype), self.tied_head())
+    def final_norm(self, x):
+        return rms_norm(x, self.w("model.norm.weight"), self.eps, dtype=self.dtype)

@@ -265,9 +265,15 @@ class GraniteHybrid(HFModel):
             out.index_add_(0, rows, y.to(out.dtype))
         return out
 
-    def head(self, x):
-        x = rms_norm_llama(x, self.w("model.norm.weight"), self.eps, dtype=self.dtype)
-        return linear(x, self.tied_head()) / self.logits_scaling
+    def final_norm(self, x):
+        return rms_norm_llama(x, self.w("model.norm.weight"), self.eps, dtype=self.dtype)
+
+    def finish(self, logits):
+        return logits / self.logits_scaling
+
+    @property
+    def finish_keeps_order(self) -> bool:
+        return self.logits_scaling > 0   # a correctly rounded division by a positive constant
 
 
 __all__ = ["GraniteHybrid", "Mamba2", "chunked_scan", "config_float"]

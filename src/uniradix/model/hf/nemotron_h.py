@@ -183,8 +183,8 @@ class NemotronH(HFModel):
             out = linear(out, self.w(p + "fc2_latent_proj.weight"), b(p + "fc2_latent_proj.bias"))
         return out + self.mlp(p + "shared_experts.", h)
 
-    def head(self, x):
-        return linear(rms_norm(x, self.w(self.root + "norm_f.weight"), self.eps, dtype=self.dtype), self.tied_head())
+    def final_norm(self, x):
+        return rms_norm(x, self.w(self.root + "norm_f.weight"), self.eps, dtype=self.dtype)
 
 
 __all__ = ["NemotronH"]

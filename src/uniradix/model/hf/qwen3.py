@@ -70,8 +70,8 @@ class Qwen3(HFModel):
         g = silu(g) * u
         return x + linear(g, w(p + "mlp.down_proj.weight"))
 
-    def head(self, x):
-        return linear(rms_norm_llama(x, self.w("model.norm.weight"), self.eps, dtype=self.dtype), self.tied_head())
+    def final_norm(self, x):
+        return rms_norm_llama(x, self.w("model.norm.weight"), self.eps, dtype=self.dtype)
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x @ W^T (+ bias where the checkpoint has one: attention_bias)."""

@@ -135,8 +135,8 @@ class Qwen3Next(HFModel):
     def embed(self, ids):
         return self.w("model.embed_tokens.weight")[ids]
 
-    def head(self, x):
-        return linear(rms_norm(x, self.w("model.norm.weight"), self.eps, 1.0, dtype=self.dtype), self.tied_head())
+    def final_norm(self, x):
+        return rms_norm(x, self.w("model.norm.weight"), self.eps, 1.0, dtype=self.dtype)
 
     def block(self, i, x, batch):
         p = f"model.layers.{i}."

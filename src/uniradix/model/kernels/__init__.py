@@ -45,6 +45,9 @@ _SIGNATURES = {
     "ur_rows_q": [_p, _p, _p, _int, _i64, _i64, _p, _i64, _p],
     "ur_rms_norm_io": [_p, _int, _p, _int, _i64, _i64, _p, _f32, _p, _int],
     "ur_rope": [_p, _p, _int, _i64, _i64, _i64, _i64, _p, _p],
+    "ur_greedy_build": [_p, _int, _i64, _i64, _p, _p, _p, _p, _p, _int],
+    "ur_greedy_candidates": [_p, _i64, _i64, _p, _p, _p, _p, _p, _i64, ctypes.c_double, ctypes.c_double,
+                             ctypes.c_double, _p, _p, _i64, _p],
 }
 
 
@@ -556,6 +559,81 @@ def argmax(x: torch.Tensor) -> int:
     return int(lib().ur_argmax(x.data_ptr(), x.numel())) if x.numel() else int(torch.argmax(x))
 
 
+# ---------------------------------------------------------------------------- greedy head
+class GreedyHead:
+    """The argmax of `finish(linear(x, head))` for rows x, the same index as over the full
+    logits, reading half a bfloat16 head's bytes (a quarter of a float32 one's):
+    an int8 copy of the head (a scale a word) and each row rounded to int8 twice bound
+    every logit (kernels.c, ur_greedy_candidates: the roundings' errors by their norms,
+    the head's own float chain by its worst case), and the words whose upper bound reaches
+    the best lower bound are computed exactly, by the head's own product on their panels.
+    `finish` (the family's scaling of the logits) must be non-decreasing in each logit;
+    16-bit logits may tie after their rounding, so the bar is lowered by four of their
+    units, and the first of equal values wins, as torch.argmax. A row whose bound leaves
+    more than `cap` candidates, or that is not finite, goes through the full head."""
+
+    def __init__(self, head: "PackedWeight", cap: int = 4096) -> None:
+        w = head.dense()
+        V, K = w.shape
+        self.head, self.V, self.K, self.cap = head, V, K, cap
+        P, Kp = -(-V // NR), -(-K // 4) * 4
+        self.codes = torch.zeros(P, Kp // 4, NR, 4, dtype=torch.int8)   # padding words stay zero
+        self.colsum = torch.zeros(P * NR, dtype=torch.int32)
+        self.s, self.e, self.w = (torch.zeros(P * NR) for _ in range(3))
+        lib().ur_greedy_build(w.data_ptr(), _DTYPES[w.dtype], V, K, self.codes.data_ptr(), self.colsum.data_ptr(),
+                              self.s.data_ptr(), self.e.data_ptr(), self.w.data_ptr(), torch.get_num_threads())
+        # the head's chain: at most 2K roundings of float32 (a tile's internal sums included)
+        n = 2 * K * 2.0 ** -24
+        self.gamma = n / (1 - n)
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def nbytes(self) -> int:
+        return self.codes.numel() + 4 * (self.colsum.numel() + 3 * self.V)
+
+    def candidates(self, x: torch.Tensor, out_dtype: torch.dtype) -> list[torch.Tensor | None]:
+        """Each row's candidate words (ascending), or None where the full head must run."""
+        M = x.shape[0]
+        x = x.float().contiguous()
+        P = -(-self.V // NR)
+        if self._scratch.numel() < M * P * NR:
+            self._scratch = torch.empty(M * P * NR, dtype=torch.float32)
+        # the slack for logits that tie after their rounding (and a monotone finish's own)
+        rel, ab = (2.0 ** -18, 2.0 ** -60) if out_dtype is torch.float32 else (2.0 ** -5, 2.0 ** -10)
+        cand = torch.empty(M, self.cap, dtype=torch.int64)
+        count = torch.empty(M, dtype=torch.int64)
+        lib().ur_greedy_candidates(x.data_ptr(), M, self.K, self.codes.data_ptr(), self.colsum.data_ptr(),
+                                   self.s.data_ptr(), self.e.data_ptr(), self.w.data_ptr(), self.V, self.gamma,
+                                   rel, ab, self._scratch.data_ptr(), cand.data_ptr(), self.cap, count.data_ptr())
+        return [cand[m, :n] if n >= 0 else None for m, n in enumerate(count.tolist())]
+
+    def argmax(self, x: torch.Tensor, finish=None) -> list[int | None]:
+        """The greedy token of each row of x [M, K] (the head's input, in its dtype): the
+        index torch.argmax gives over finish(linear(x, head)).float(), or None for a row
+        the caller must run through the full head."""
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        cands = self.candidates(x, out_dtype)
+        rows = [m for m, c in enumerate(cands) if c is not None]
+        result: list[int | None] = [None] * len(cands)
+        if not rows:
+            return result
+        panels = torch.unique(torch.cat([cands[m] for m in rows]) // NR)   # ascending
+        sub = PackedWeight.__new__(PackedWeight)
+        sub.panels, sub.in_features = self.head.panels.index_select(0, panels), self.K
+        sub.out_features = panels.numel() * NR
+        logits = linear(x[rows], sub)
+        if finish is not None:
+            logits = finish(logits)
+        logits = logits.float()
+        words = (panels[:, None] * NR + torch.arange(NR)).reshape(-1)
+        logits[:, words >= self.V] = float("-inf")                          # a last panel's padding
+        for i, m in enumerate(rows):
+            row = logits[i]
+            if torch.isnan(row).any():
+                continue                                                    # the full head decides
+            result[m] = int(words[argmax(row.contiguous())])
+        return result
+
+
 # ---------------------------------------------------------------------------- attention
 def attention(q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, slots: torch.Tensor, first: torch.Tensor,
               count: torch.Tensor, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -633,5 +711,5 @@ def ssm_scan(x, dt, A, Bm, C, state) -> tuple[torch.Tensor, torch.Tensor]:
     return y, S
 
 
-__all__ = ["NR", "OPS", "BlockTable", "fuse", "isa", "off", "PackedWeight", "PackedExperts", "PackedQuant", "linear_q", "rms_norm", "rope", "argmax", "available", "describe", "linear", "elementwise", "attention", "delta_rule",
+__all__ = ["NR", "OPS", "BlockTable", "GreedyHead", "fuse", "isa", "off", "PackedWeight", "PackedExperts", "PackedQuant", "linear_q", "rms_norm", "rope", "argmax", "available", "describe", "linear", "elementwise", "attention", "delta_rule",
            "ssm_scan", "lib"]

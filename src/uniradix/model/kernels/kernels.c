@@ -1399,6 +1399,242 @@ int64_t ur_argmax(const float *x, int64_t n) {
     return 0;
 }
 
+/* ------------------------------------------------------------------------ greedy head
+
+   The token a greedy row takes is the argmax of its logits; the LM head that gives them
+   is the largest product of a step (262k words x 640 inputs for Gemma 3). An int8 copy
+   of the head (a scale a word) and the row rounded to int8 twice (the row, then what
+   the first rounding left) give every logit to within a bound computed from norms
+   (Cauchy-Schwarz on what each rounding left, and the float chain's own error): every
+   word whose upper bound reaches the best lower bound is a candidate, the head's own
+   kernel computes those exactly, and their argmax is the full head's, bit for bit
+   (kernels.GreedyHead). The integer sums are exact on every path, so the candidates
+   are the same everywhere; only their count depends on the bound's slack. */
+#define GH_ROWS 8    /* rows a pass over a panel takes */
+#define GH_BIG 16    /* a row's largest inputs, rounded on their own */
+
+/* One row rounded to int8 in two parts: its GH_BIG largest inputs (by magnitude: the
+   outliers that would make one scale coarse for the rest) with one scale, the others
+   with another; codes + 128 (dpbusd's unsigned operand). x = t1 q1 + t2 q2 + d, and
+   |logit_j - A_j| <= a |e_j| + b |w_j| bounds x.e_j, d against s_j q_j and the head's
+   float chain. big: the groups of 4 inputs that hold the outliers (ng of them). */
+typedef struct { float t1, t2, a, b; int ok, ng; int32_t big[GH_BIG]; } gh_row;
+
+static gh_row gh_quantize(const float *x, int64_t K, int64_t Kp, uint8_t *q1, uint8_t *q2, double gamma) {
+    gh_row r;
+    memset(&r, 0, sizeof r);
+    double nx = 0.0;
+    for (int64_t k = 0; k < K; k++) {
+        if (!isfinite(x[k])) return r;
+        nx += (double)x[k] * x[k];
+    }
+    /* the outliers: the GH_BIG largest magnitudes, the first of equals first */
+    int64_t top[GH_BIG];
+    const int nb = K < GH_BIG ? (int)K : GH_BIG;
+    uint8_t *taken = (uint8_t *)calloc((size_t)(Kp > 0 ? Kp : 1), 1);
+    for (int i = 0; i < nb; i++) {
+        int64_t at = -1;
+        for (int64_t k = 0; k < K; k++)
+            if (!taken[k] && (at < 0 || fabsf(x[k]) > fabsf(x[at]))) at = k;
+        top[i] = at;
+        taken[at] = 1;
+    }
+    double m1 = 0.0, m2 = 0.0;
+    for (int64_t k = 0; k < K; k++) {
+        if (taken[k]) m2 = fmax(m2, fabs(x[k]));
+        else m1 = fmax(m1, fabs(x[k]));
+    }
+    const float t1 = (float)(m1 / 127.0), t2 = (float)(m2 / 127.0);
+    double nd = 0.0;
+    for (int64_t k = 0; k < Kp; k++) {
+        int v = 0, w = 0;
+        if (k < K && !taken[k] && t1 > 0) v = (int)lrint(x[k] / t1);
+        if (k < K && taken[k] && t2 > 0) w = (int)lrint(x[k] / t2);
+        v = v > 127 ? 127 : v < -127 ? -127 : v;
+        w = w > 127 ? 127 : w < -127 ? -127 : w;
+        q1[k] = (uint8_t)(v + 128);
+        q2[k] = (uint8_t)(w + 128);
+        if (k < K) {
+            const double d = (double)x[k] - (double)t1 * v - (double)t2 * w;   /* one of the two is zero */
+            nd += d * d;
+        }
+    }
+    for (int i = 0; i < nb; i++) {   /* the groups of 4 the outliers fall in, each once */
+        const int32_t g = (int32_t)(top[i] / 4);
+        int seen = 0;
+        for (int j = 0; j < r.ng; j++) seen |= r.big[j] == g;
+        if (!seen) r.big[r.ng++] = g;
+    }
+    free(taken);
+    nx = sqrt(nx) * (1.0 + 0x1p-40);
+    nd = sqrt(nd) * (1.0 + 0x1p-40) + 0x1p-50 * nx;   /* and the doubles' own roundings of the residues */
+    r.t1 = t1;
+    r.t2 = t2;
+    r.a = (float)((nx + nd) * (1.0 + 0x1p-18));
+    r.b = (float)((nd + gamma * nx) * (1.0 + 0x1p-18));
+    r.ok = isfinite(r.a) && isfinite(r.b);
+    return r;
+}
+
+/* The outliers' integer sums against one panel (their groups only; q2 is 128 elsewhere
+   in them): sum over the groups of (q2 + 128 - 128) w, for 16 words. */
+static inline void gh_big(const gh_row *g, const uint8_t *q2, const int8_t *panel, int32_t *out) {
+#if defined(UR_AVX512) && defined(__AVX512VNNI__)
+    __m512i acc = _mm512_setzero_si512(), off = _mm512_setzero_si512();
+    for (int i = 0; i < g->ng; i++) {
+        const int64_t k = (int64_t)g->big[i] * 4;
+        const __m512i wv = _mm512_loadu_si512(panel + k * NR);
+        int32_t four;
+        memcpy(&four, q2 + k, 4);
+        acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(four), wv);
+        off = _mm512_dpbusd_epi32(off, _mm512_set1_epi32((int32_t)0x80808080u), wv);
+    }
+    _mm512_storeu_si512(out, _mm512_sub_epi32(acc, off));
+#else
+    for (int c = 0; c < NR; c++) {
+        int32_t acc = 0;
+        for (int i = 0; i < g->ng; i++) {
+            const int64_t k = (int64_t)g->big[i] * 4;
+            const int8_t *wc = panel + k * NR + c * 4;
+            for (int t = 0; t < 4; t++) acc += (q2[k + t] - 128) * wc[t];
+        }
+        out[c] = acc;
+    }
+#endif
+}
+
+#if defined(UR_AVX512) && defined(__AVX512VNNI__)
+/* L rows' integer sums against one panel: sums[l][c] = sum_k q0[l * Kp + k] panel[k][c] */
+static inline __attribute__((always_inline)) void gh_sums(const int L, const uint8_t *q0, int64_t Kp,
+                                                          const int8_t *panel, int32_t sums[][NR]) {
+    __m512i acc[GH_ROWS];
+    for (int l = 0; l < L; l++) acc[l] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < Kp; k += 4) {
+        const __m512i wv = _mm512_loadu_si512(panel + k * NR);
+        for (int l = 0; l < L; l++) {
+            int32_t four;
+            memcpy(&four, q0 + l * Kp + k, 4);
+            acc[l] = _mm512_dpbusd_epi32(acc[l], _mm512_set1_epi32(four), wv);
+        }
+    }
+    for (int l = 0; l < L; l++) _mm512_storeu_si512(sums[l], acc[l]);
+}
+#endif
+
+/* The int8 head from the dense one w [V, K] (dtype dt): per word j a scale s = max|w_j| /
+   127, codes round(w_j / s) into panels [P][Kp / 4][16][4] (zeros past V and K), their
+   sum, and the norms of w_j - s q_j and of w_j, in float64, rounded up to float32. */
+void ur_greedy_build(const void *w, int dt, int64_t V, int64_t K, int8_t *q, int32_t *colsum, float *s, float *e,
+                     float *wn, int nt) {
+    const int64_t Kp = (K + 3) / 4 * 4;
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
+    for (int64_t j = 0; j < V; j++) {
+        double mx = 0.0;
+        for (int64_t k = 0; k < K; k++) mx = fmax(mx, fabs((double)load_elem(w, dt, j * K + k)));
+        const float sj = (float)(mx / 127.0);
+        double ee = 0.0, ww = 0.0;
+        int32_t sum = 0;
+        int8_t *panel = q + (j / NR) * Kp * NR;
+        const int c = (int)(j % NR);
+        for (int64_t k = 0; k < Kp; k++) {
+            const double v = k < K ? (double)load_elem(w, dt, j * K + k) : 0.0;
+            long t = sj > 0 ? lrint(v / sj) : 0;
+            t = t > 127 ? 127 : t < -127 ? -127 : t;
+            panel[(k / 4) * NR * 4 + c * 4 + k % 4] = (int8_t)t;
+            sum += (int32_t)t;
+            const double d = v - (double)sj * (double)t;
+            ee += d * d;
+            ww += v * v;
+        }
+        colsum[j] = sum;
+        s[j] = sj;
+        e[j] = nextafterf((float)(sqrt(ee) * (1.0 + 0x1p-30)), INFINITY);
+        wn[j] = nextafterf((float)(sqrt(ww) * (1.0 + 0x1p-30)), INFINITY);
+    }
+}
+
+/* Candidates of M rows x [M, K] (float32) against the int8 head q (panels [P][Kp / 4][16][4],
+   Kp = K rounded up to 4; colsum: each word's sum of codes; s its scale; e and w the
+   norms of its rounding error and of the word itself, rounded up). Row m's candidates
+   go to cand + m * cap, ascending, their count to count[m] (-1: more than cap, or a
+   row that is not finite: the caller runs the full head for it). u: M * P * 16 floats
+   of scratch (each word's upper bound). */
+void ur_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *q, const int32_t *colsum,
+                          const float *s, const float *e, const float *w, int64_t V, double gamma, double rel,
+                          double abs_, float *u, int64_t *cand, int64_t cap, int64_t *count) {
+    const int64_t P = (V + NR - 1) / NR, Kp = (K + 3) / 4 * 4, VP = P * NR;
+    uint8_t *q1 = (uint8_t *)malloc((size_t)(M * Kp)), *q2 = (uint8_t *)malloc((size_t)(M * Kp));
+    gh_row *rw = (gh_row *)malloc(sizeof(gh_row) * (size_t)M);
+    float *best = (float *)malloc(sizeof(float) * (size_t)M);
+    for (int64_t m = 0; m < M; m++) {
+        rw[m] = gh_quantize(x + m * K, K, Kp, q1 + m * Kp, q2 + m * Kp, gamma);
+        best[m] = -INFINITY;
+    }
+    for (int64_t p = 0; p < P; p++) {
+        const int8_t *panel = q + p * Kp * NR;
+        const int nw = V - p * NR >= NR ? NR : (int)(V - p * NR);
+        for (int64_t m0 = 0; m0 < M; m0 += GH_ROWS) {
+            const int mr = M - m0 >= GH_ROWS ? GH_ROWS : (int)(M - m0);
+            int32_t sums[GH_ROWS][NR];
+#if defined(UR_AVX512) && defined(__AVX512VNNI__)
+            switch (mr) {   /* the row count a constant: the sums stay in registers */
+#define GH(R) case R: gh_sums(R, q1 + m0 * Kp, Kp, panel, sums); break;
+            GH(1) GH(2) GH(3) GH(4) GH(5) GH(6) GH(7) GH(8)
+#undef GH
+            }
+#else
+            memset(sums, 0, sizeof sums);
+            for (int64_t k = 0; k < Kp; k += 4)
+                for (int l = 0; l < mr; l++) {
+                    const uint8_t *xl = q1 + (m0 + l) * Kp + k;
+                    for (int c = 0; c < NR; c++) {
+                        const int8_t *wc = panel + k * NR + c * 4;
+                        sums[l][c] += xl[0] * wc[0] + xl[1] * wc[1] + xl[2] * wc[2] + xl[3] * wc[3];
+                    }
+                }
+#endif
+            for (int r = 0; r < mr; r++) {
+                const gh_row *g = &rw[m0 + r];
+                float *ur = u + (m0 + r) * VP + p * NR;
+                float top = best[m0 + r];
+                if (!g->ok) { for (int c = 0; c < NR; c++) ur[c] = -INFINITY; continue; }
+                int32_t big[NR];
+                gh_big(g, q2 + (m0 + r) * Kp, panel, big);
+                float lo[NR];
+                for (int c = 0; c < NR; c++) {   /* a vector loop: no branch */
+                    const int64_t j = p * NR + c;
+                    /* the integer sums (less the +128 offsets): exact, and exact in float32 (< 2^24) */
+                    const float i1 = (float)(sums[r][c] - 128 * colsum[j]), i2 = (float)big[c];
+                    const float p1 = (s[j] * g->t1) * i1, p2 = (s[j] * g->t2) * i2, A = p1 + p2;
+                    const float R = (g->a * e[j] + g->b * w[j]) + (0x1p-15f * (fabsf(p1) + fabsf(p2)) + 1e-30f);
+                    ur[c] = A + R;
+                    lo[c] = A - R;
+                }
+                for (int c = 0; c < nw; c++) top = lo[c] > top ? lo[c] : top;
+                for (int c = nw; c < NR; c++) ur[c] = -INFINITY;   /* a last panel's padding */
+                best[m0 + r] = top;
+            }
+        }
+    }
+    for (int64_t m = 0; m < M; m++) {
+        int64_t n = 0;
+        const double T = best[m];
+        if (!rw[m].ok || !isfinite(T)) { count[m] = -1; continue; }
+        const float bar = (float)(T - (rel * fabs(T) + abs_));
+        const float *ur = u + m * VP;
+        for (int64_t j = 0; j < V && n >= 0; j++)
+            if (ur[j] >= bar) {
+                if (n == cap) n = -1;
+                else cand[m * cap + n++] = j;
+            }
+        count[m] = n;
+    }
+    free(q1);
+    free(q2);
+    free(rw);
+    free(best);
+}
+
 /* ------------------------------------------------------------------------ elementwise */
 
 /* e^x from IEEE operations only: x = n ln2 + r, |r| <= ln2 / 2, e^r by Cephes' expf
