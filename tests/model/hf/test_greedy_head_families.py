@@ -66,5 +66,7 @@ def test_the_greedy_head_gives_every_familys_replies(tiny, family, dtype, monkey
         before = len(calls)
         assert _serve(model, speculate) == want[speculate]
         assert len(calls) > before                    # the greedy rows went through it
-    assert isinstance(model._greedy, kernels.GreedyHead)
+    assert isinstance(model.greedy_head(), kernels.GreedyHead)
+    with kernels.off():                               # torch's kernels for everything, the head too
+        assert model.greedy_head() is None
     assert max(calls) > 1                             # verify chunks and batches: several rows at once

@@ -287,7 +287,9 @@ class HFModel(HFWeights, PagedModel):
         """The head's int8 bound for greedy rows (kernels.GreedyHead: the same argmax from
         half a bfloat16 head's bytes, a quarter of a float32 one's), built on first use
         where it pays (greedy_head_pays) and the finish keeps the order; else None (the
-        full head)."""
+        full head; also while the kernels are switched off, kernels.off)."""
+        if not kernels.available():
+            return None
         head = self.tied_head()
         if self._greedy_for is not head:   # first use, or the head changed (moved, quantized)
             self._greedy = (kernels.GreedyHead(head) if isinstance(head, kernels.PackedWeight)
