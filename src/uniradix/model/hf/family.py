@@ -329,12 +329,11 @@ class HFModel(HFWeights, PagedModel):
         parts = list(x.split(counts))
         out: list = [None] * len(inputs)
         picks = [i for i, inp in enumerate(inputs) if inp.greedy and counts[i]]
-        xn = self.final_norm(torch.cat([parts[i] for i in picks]))
-        tokens = greedy.argmax(xn, self.finish)
+        picked = torch.cat([parts[i] for i in picks])
+        tokens = greedy.argmax(self.final_norm(picked), self.finish)
         full = [r for r, t in enumerate(tokens) if t is None]
         if full:   # rows the bound left undecided: the full head's argmax
-            for r, row in zip(full, self.head(torch.cat([parts[i] for i in picks]).index_select(
-                    0, torch.as_tensor(full))).float()):
+            for r, row in zip(full, self.head(picked.index_select(0, torch.as_tensor(full))).float()):
                 tokens[r] = kernels.argmax(row.contiguous())
         at = 0
         for i in picks:

@@ -254,6 +254,14 @@ class PackedWeight(_Packed):
         """What the weights' witness and fingerprint read: the dense weight."""
         return self.dense()
 
+    def take_panels(self, panels: torch.Tensor) -> "PackedWeight":
+        """The weight of these panels only (ascending indices), outputs 16 a panel: each
+        output the same bits as in the whole product (a lane's chain is its own)."""
+        sub = PackedWeight.__new__(PackedWeight)
+        sub.panels, sub.in_features, sub.out_features = self.panels.index_select(0, panels), self.in_features, \
+            panels.numel() * NR
+        return sub
+
     def nbytes(self) -> int:
         return self.panels.numel() * self.panels.element_size()
 
@@ -563,7 +571,7 @@ def argmax(x: torch.Tensor) -> int:
 class GreedyHead:
     """The argmax of `finish(linear(x, head))` for rows x, the same index as over the full
     logits, reading half a bfloat16 head's bytes (a quarter of a float32 one's):
-    an int8 copy of the head (a scale a word) and each row rounded to int8 twice bound
+    an int8 copy of the head (a scale a word) and each row rounded to int8 in two parts bound
     every logit (kernels.c, ur_greedy_candidates: the roundings' errors by their norms,
     the head's own float chain by its worst case), and the words whose upper bound reaches
     the best lower bound are computed exactly, by the head's own product on their panels.
@@ -588,7 +596,7 @@ class GreedyHead:
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def nbytes(self) -> int:
-        return self.codes.numel() + 4 * (self.colsum.numel() + 3 * self.V)
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.colsum, self.s, self.e, self.w))
 
     def candidates(self, x: torch.Tensor, out_dtype: torch.dtype) -> list[torch.Tensor | None]:
         """Each row's candidate words (ascending), or None where the full head must run."""
@@ -617,10 +625,7 @@ class GreedyHead:
         if not rows:
             return result
         panels = torch.unique(torch.cat([cands[m] for m in rows]) // NR)   # ascending
-        sub = PackedWeight.__new__(PackedWeight)
-        sub.panels, sub.in_features = self.head.panels.index_select(0, panels), self.K
-        sub.out_features = panels.numel() * NR
-        logits = linear(x[rows], sub)
+        logits = linear(x[rows], self.head.take_panels(panels))
         if finish is not None:
             logits = finish(logits)
         logits = logits.float()

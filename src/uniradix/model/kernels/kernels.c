@@ -1403,9 +1403,10 @@ int64_t ur_argmax(const float *x, int64_t n) {
 
    The token a greedy row takes is the argmax of its logits; the LM head that gives them
    is the largest product of a step (262k words x 640 inputs for Gemma 3). An int8 copy
-   of the head (a scale a word) and the row rounded to int8 twice (the row, then what
-   the first rounding left) give every logit to within a bound computed from norms
-   (Cauchy-Schwarz on what each rounding left, and the float chain's own error): every
+   of the head (a scale a word) and the row rounded to int8 in two parts (its largest
+   inputs with one scale, the rest with another) give every logit to within a bound
+   computed from norms (Cauchy-Schwarz on what each rounding left, and the float chain's
+   own error): every
    word whose upper bound reaches the best lower bound is a candidate, the head's own
    kernel computes those exactly, and their argmax is the full head's, bit for bit
    (kernels.GreedyHead). The integer sums are exact on every path, so the candidates
