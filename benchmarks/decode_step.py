@@ -10,9 +10,10 @@ measured under the same affinity.
 
 The floor (benchmarks/memory_floor.py): a batch-1 step must read every weight it
 multiplies by, at its size in memory (the kernels' packed panels, a quantized weight's
-codes and scales, a tied head's own copy; of the embedding table only the rows looked
-up), plus the keys and values it attends to at that depth; it can take no less than
-those bytes over the memory bandwidth. The bandwidth is a torch sum over a --bandwidth-mb
+codes and scales, a tied head's own copy or, where the model has one, the greedy head's
+int8 copy: every step here is greedy; of the embedding table only the rows looked up),
+plus the keys and values it attends to at that depth; it can take no less than those
+bytes over the memory bandwidth. The bandwidth is a torch sum over a --bandwidth-mb
 float32 buffer (best of 5; a plain copy is printed beside it: it also pays for writes, a
 decode step hardly writes), with one thread and with the run's, measured again right
 before each precision. `x floor` is the measured step over its floor (weights once, KV

@@ -100,11 +100,13 @@ def _itemsize(dtype) -> int:
     return (getattr(torch, dtype) if isinstance(dtype, str) else dtype).itemsize
 
 
-def step_bytes(model, batch: int, depth: int) -> dict:
+def step_bytes(model, batch: int, depth: int, greedy: bool = True) -> dict:
     """The bytes a decode step of `batch` requests, each `depth` tokens deep, must read:
     "weights": every weight the step multiplies by (norms included) at its size in memory,
-    once however many names it has, the head as the forward holds it (a tied head's
-    packed or quantized copy, or the embedding table itself); "embedding":
+    once however many names it has, the head as the step reads it (a tied head's packed
+    or quantized copy, or the embedding table itself; for greedy rows, where the model
+    has one, the greedy head's int8 copy, kernels.GreedyHead: the few panels it then
+    computes exactly are not counted); "embedding":
     the rows of the embedding table the step looks up (one per request: the table itself
     counts only where it is the head); "kv": the keys and values each attention layer
     reads (its window's at most, the query's own key included); "states": the recurrent
@@ -118,11 +120,14 @@ def step_bytes(model, batch: int, depth: int) -> dict:
         if name == embed_name and w is not head:
             shape = getattr(w, "shape", ())
             embedding = batch * nbytes(w) // shape[0] if len(shape) == 2 and shape[0] else 0
-        elif id(w) not in counted:
+        elif id(w) not in counted and w is not head:
             counted.add(id(w))
             weights += nbytes(w)
-    if head is not None and id(head) not in counted:
-        weights += nbytes(head)  # a tied head's own copy (packed, quantized), outside the weights dict
+    fast = model.greedy_head() if greedy and callable(getattr(model, "greedy_head", None)) else None
+    if fast is not None:
+        weights += fast.nbytes()
+    elif head is not None:
+        weights += nbytes(head)  # in the weights dict or outside it (a tied head's packed or quantized copy)
     kv = states = 0
     for _spec, layer_states in model.states().groups:
         for ls in layer_states:

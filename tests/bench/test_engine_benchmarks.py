@@ -120,7 +120,8 @@ def test_decode_step_measures_its_floor_the_cpu_and_the_split(tmp_path):
 def test_floor_bytes_read_a_shared_table_once_and_each_window_at_most():
     """memory_floor.step_bytes: a head that is the embedding's very table (the GGUF read
     as stored) is read once, in full; a separate head and the embedding's looked-up rows
-    otherwise; a window layer's keys stop at its window, a full layer's grow with depth."""
+    otherwise; greedy rows read the greedy head's copy in the head's stead; a window
+    layer's keys stop at its window, a full layer's grow with depth."""
     import torch
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import memory_floor
@@ -148,6 +149,20 @@ def test_floor_bytes_read_a_shared_table_once_and_each_window_at_most():
     assert sep["weights"] == 100 * 16 * 2 + 16 * 16 * 2 and sep["embedding"] == 3 * 16 * 4
     per_key = 2 * 2 * 8 * 2  # keys and values, 2 heads of 8, bfloat16
     assert sep["kv"] == 3 * per_key * (11 + 4) and sep["total"] == sep["weights"] + sep["embedding"] + sep["kv"]
+
+    class Greedy:  # a greedy head's int8 copy: what greedy rows read instead of the head
+        def nbytes(self):
+            return 777
+
+    class WithGreedy(Model):
+        def greedy_head(self):
+            return Greedy()
+
+    named = {"embed": table, "lm_head.weight": own, "proj": proj}   # the head in the weights dict, read once
+    assert memory_floor.step_bytes(Model(named, own), 1, 10)["weights"] == 100 * 16 * 2 + 16 * 16 * 2
+    fast = memory_floor.step_bytes(WithGreedy(named, own), batch=1, depth=10)
+    assert fast["weights"] == 777 + 16 * 16 * 2
+    assert memory_floor.step_bytes(WithGreedy(named, own), 1, 10, greedy=False)["weights"] == sep["weights"]
 
 
 def test_capacity_counts_conversations_in_a_budget_for_both_splits(tmp_path):

@@ -93,6 +93,14 @@ def test_a_row_the_greedy_head_cannot_decide_goes_to_the_full_head():
     assert got[1] is None and got[2] is None
 
 
+def test_rows_the_bound_leaves_unwritten_go_to_the_full_head(monkeypatch):
+    """A row whose count the candidates call does not write (decode_step's glue pass makes
+    every call into the C library a no-op) is handed back, not read as garbage panels."""
+    gh = kernels.GreedyHead(kernels.PackedWeight(torch.randn(300, 64)))
+    monkeypatch.setattr(kernels.lib(), "ur_greedy_candidates", lambda *args: 0)
+    assert gh.argmax(torch.randn(5, 64)) == [None] * 5
+
+
 def test_the_greedy_head_reads_half_a_bfloat16_heads_bytes():
     W = torch.randn(4096, 256).bfloat16()
     head = kernels.PackedWeight(W)

@@ -608,7 +608,7 @@ class GreedyHead:
         # the slack for logits that tie after their rounding (and a monotone finish's own)
         rel, ab = (2.0 ** -18, 2.0 ** -60) if out_dtype is torch.float32 else (2.0 ** -5, 2.0 ** -10)
         cand = torch.empty(M, self.cap, dtype=torch.int64)
-        count = torch.empty(M, dtype=torch.int64)
+        count = torch.full((M,), -1, dtype=torch.int64)   # a row the call leaves unwritten: the full head
         lib().ur_greedy_candidates(x.data_ptr(), M, self.K, self.codes.data_ptr(), self.colsum.data_ptr(),
                                    self.s.data_ptr(), self.e.data_ptr(), self.w.data_ptr(), self.V, self.gamma,
                                    rel, ab, self._scratch.data_ptr(), cand.data_ptr(), self.cap, count.data_ptr())
