@@ -32,7 +32,8 @@ module's functions for that pass only, and torch's profiler times the torch ops 
 them:
 
 - products: kernels.linear and kernels.linear_q (weights read as the file stores them),
-  and torch's products where they run (int8/int4 weights, kernels off);
+  the greedy head's int8 pass (kernels.GreedyHead.candidates), and torch's products
+  where they run (int8/int4 weights, kernels off);
 - attention: kernels.attention (torch's SDPA and its gathers where the kernels are off);
 - activations: kernels.elementwise (torch's silu, gelu, ...);
 - recurrences: kernels.delta_rule and kernels.ssm_scan;
@@ -73,7 +74,9 @@ TORCH_OPS = {
 #: the kernels module's functions by part (timed by wrapping them in the split pass; any
 #: other function it exports, but NOT_KERNELS, is timed too and counted in "other ops")
 KERNEL_PARTS = {"linear": "products", "linear_q": "products", "attention": "attention", "elementwise": "activations",
-                "delta_rule": "recurrences", "ssm_scan": "recurrences"}
+                "delta_rule": "recurrences", "ssm_scan": "recurrences", "greedy_head": "products"}
+#: kernels that are methods, by name: (class in the kernels module, method)
+KERNEL_METHODS = {"greedy_head": ("GreedyHead", "candidates")}
 NOT_KERNELS = ("lib", "available", "describe")
 PARTS = ("products", "attention", "activations", "recurrences", "other ops", "Python")
 DEFAULT_PRECISIONS = "float32:none,bfloat16:none,float16:none,float32:stored"
@@ -125,6 +128,9 @@ def timed_kernels(seconds: dict, calls: dict):
     called from inside another (through the module) is the outer one's time."""
     from uniradix.model import kernels
     saved = kernel_functions(kernels)
+    methods = {name: (getattr(kernels, cls), attr) for name, (cls, attr) in KERNEL_METHODS.items()
+               if hasattr(kernels, cls)}
+    saved_methods = {name: getattr(cls, attr) for name, (cls, attr) in methods.items()}
     inside = []
 
     def wrap(name, fn):
@@ -146,11 +152,15 @@ def timed_kernels(seconds: dict, calls: dict):
 
     for name, fn in saved.items():
         setattr(kernels, name, wrap(name, fn))
+    for name, (cls, attr) in methods.items():
+        setattr(cls, attr, wrap(name, saved_methods[name]))
     try:
         yield
     finally:
         for name, fn in saved.items():
             setattr(kernels, name, fn)
+        for name, (cls, attr) in methods.items():
+            setattr(cls, attr, saved_methods[name])
 
 
 def torch_op_split(prof) -> dict:

@@ -117,6 +117,29 @@ def test_decode_step_measures_its_floor_the_cpu_and_the_split(tmp_path):
     assert "x floor" in out and "avx2" in out and result["kernels"] in out
 
 
+def test_the_split_times_the_greedy_heads_pass_as_products():
+    """decode_step's split wraps the greedy head's int8 pass (a method, not a module
+    function) like the kernels: its time and calls are counted, as products, and the
+    method is itself again after."""
+    import pytest
+    import torch
+    from uniradix.model import kernels
+    if not kernels.available():
+        pytest.skip("the row-invariant kernels are not built here")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import decode_step
+    from collections import defaultdict
+    gh = kernels.GreedyHead(kernels.PackedWeight(torch.randn(64, 16)))
+    before = kernels.GreedyHead.candidates
+    seconds, calls = defaultdict(float), defaultdict(int)
+    with decode_step.timed_kernels(seconds, calls):
+        gh.argmax(torch.randn(3, 16))
+    assert calls["greedy_head"] == 1 and seconds["greedy_head"] > 0
+    assert calls["linear"] == 1   # the candidates computed exactly, after the pass
+    assert decode_step.KERNEL_PARTS["greedy_head"] == "products"
+    assert kernels.GreedyHead.candidates is before
+
+
 def test_floor_bytes_read_a_shared_table_once_and_each_window_at_most():
     """memory_floor.step_bytes: a head that is the embedding's very table (the GGUF read
     as stored) is read once, in full; a separate head and the embedding's looked-up rows
