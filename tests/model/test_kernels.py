@@ -165,15 +165,30 @@ def _attention_case(dtype, sinks: bool):
     return q, kp, vp, torch.cat([a_keys, b_keys]), first, count, s
 
 
+# queries in float32 over pools of every dtype, and bfloat16 over bfloat16 (a bfloat16
+# model's attention: bfloat16 products, the weights rounded, the output in bfloat16)
+QK_DTYPES = [(torch.float32, dt) for dt in DTYPES] + [(torch.bfloat16, torch.bfloat16)]
+QK_IDS = [f"{str(a)[6:]}-{str(b)[6:]}" for a, b in QK_DTYPES]
+
+
+def _attention_tolerance(qdt) -> float:
+    """float32 queries: float32 arithmetic; bfloat16: weights and output rounded to bfloat16"""
+    return 1e-5 if qdt is torch.float32 else 2e-2
+
+
 @pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_attention_is_per_query_and_is_softmax_attention(dtype, sinks):
+@pytest.mark.parametrize("qdt,dtype", QK_DTYPES, ids=QK_IDS)
+def test_attention_is_per_query_and_is_softmax_attention(qdt, dtype, sinks):
     q, kp, vp, keys, first, count, s = _attention_case(dtype, sinks)
+    q = q.to(qdt)
     scale = 0.3
     out = kernels.attention(q, kp, vp, keys, first, count, scale, s)
+    assert out.dtype is qdt
+    wide = kernels.attention(q, kp, vp, keys, first, count, scale, s, dtype=torch.float32)
+    assert torch.equal(wide.to(qdt), out)   # the output rounded once
     for r in range(len(q)):  # each query alone: the same bits
-        one = kernels.attention(q[r:r + 1], kp, vp, keys, first[r:r + 1], count[r:r + 1], scale, s)
-        assert torch.equal(one, out[r:r + 1]), r
+        one = kernels.attention(q[r:r + 1], kp, vp, keys, first[r:r + 1], count[r:r + 1], scale, s, dtype=torch.float32)
+        assert torch.equal(one, wide[r:r + 1]), r
     for r in range(len(q)):
         sl = keys[first[r]:first[r] + count[r]]
         k = kp[sl].double().repeat_interleave(2, dim=1)          # [n, H, d]
@@ -183,39 +198,56 @@ def test_attention_is_per_query_and_is_softmax_attention(dtype, sinks):
             logits = torch.cat([logits, s.double()[:, None]], dim=1)
             v = torch.cat([v, torch.zeros(1, *v.shape[1:], dtype=v.dtype)])
         ref = torch.einsum("hn,nhd->hd", logits.softmax(-1), v)
-        assert (out[r].double() - ref).abs().max().item() < 1e-5
+        assert (out[r].double() - ref).abs().max().item() < _attention_tolerance(qdt)
 
 
-@pytest.mark.parametrize("shape", [(8, 2, 24), (6, 2, 32), (3, 3, 16), (4, 2, 20)], ids=str)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_attention_over_long_spans_is_the_same_bits_in_any_block(dtype, shape):
+@pytest.mark.parametrize("shape", [(8, 2, 24), (6, 2, 32), (3, 3, 16), (4, 2, 20), (4, 1, 256), (2, 1, 70)], ids=str)
+@pytest.mark.parametrize("qdt,dtype", QK_DTYPES, ids=QK_IDS)
+def test_attention_over_long_spans_is_the_same_bits_in_any_block(qdt, dtype, shape):
     """A prefill chunk of 90 rows over 300 earlier keys (query blocks of 64, key tiles of
     64) and windowed rows: each row's output is the bits of that row alone, of the chunk
     cut anywhere, and within float32 of softmax attention. Heads per KV head 4, 3 and 1,
     so that a block's queries come in every count (float32 scores take them in pairs on
-    AVX-512: one left over, or a group of 1-7), and a head size past the vector width."""
+    AVX-512: one left over, or a group of 1-7; bfloat16 ones in groups of 1-4), and head
+    sizes past the vector width (bfloat16: 256, and 70, a tail of pairs)."""
     torch.manual_seed(5)
     (H, KV, d), n_slots = shape, 500
     kp, vp = torch.randn(n_slots, KV, d).to(dtype), torch.randn(n_slots, KV, d).to(dtype)
     keys = torch.randperm(n_slots)[:390]
     N = 90
-    q = torch.randn(N, H, d)
+    q = torch.randn(N, H, d).to(qdt)
     causal_first = torch.zeros(N, dtype=torch.int64)
     causal_count = torch.arange(301, 301 + N)
     window = 70
     win_first = (causal_count - window).clamp(min=0)
     for first, count in ((causal_first, causal_count), (win_first, causal_count - win_first)):
-        out = kernels.attention(q, kp, vp, keys, first, count, 0.2)
+        out = kernels.attention(q, kp, vp, keys, first, count, 0.2, dtype=torch.float32)   # every bit of the sums
         for cut in (1, 7, 33, 64):
-            parts = [kernels.attention(q[i:i + cut], kp, vp, keys, first[i:i + cut], count[i:i + cut], 0.2)
-                     for i in range(0, N, cut)]
+            parts = [kernels.attention(q[i:i + cut], kp, vp, keys, first[i:i + cut], count[i:i + cut], 0.2,
+                                       dtype=torch.float32) for i in range(0, N, cut)]
             assert torch.equal(torch.cat(parts), out), cut
         for r in (0, 45, 89):
             sl = keys[first[r]:first[r] + count[r]]
             k = kp[sl].double().repeat_interleave(H // KV, dim=1)
             v = vp[sl].double().repeat_interleave(H // KV, dim=1)
             ref = torch.einsum("hn,nhd->hd", (torch.einsum("hd,nhd->hn", q[r].double(), k) * 0.2).softmax(-1), v)
-            assert (out[r].double() - ref).abs().max().item() < 1e-5
+            assert (out[r].double() - ref).abs().max().item() < _attention_tolerance(qdt)
+
+
+def test_bfloat16_attention_rounds_its_weights_as_torch_does():
+    """bfloat16 queries over bfloat16 pools round the softmax's weights to bfloat16 before
+    they meet the values, as torch's bfloat16 SDPA and an eager bfloat16 attention (HF's)
+    do: two keys of weights 1 and 0.999 (1 in bfloat16) over values 1 and -1 give 0, where
+    float32 weights give 0.001 / 1.999."""
+    q = torch.tensor([[[1.0, 0.0]]]).bfloat16()
+    kp = torch.tensor([[[0.0, 0.0]], [[-0.001, 0.0]]]).bfloat16()
+    vp = torch.tensor([[[1.0, 1.0]], [[-1.0, -1.0]]]).bfloat16()
+    args = (torch.tensor([0, 1]), torch.tensor([0]), torch.tensor([2]), 1.0)
+    out = kernels.attention(q, kp, vp, *args)
+    sdpa = F.scaled_dot_product_attention(q.view(1, 1, 1, 2), kp.view(1, 1, 2, 2), vp.view(1, 1, 2, 2), scale=1.0)
+    assert out.dtype is torch.bfloat16 and torch.equal(out.view(-1), sdpa.view(-1)) and out.abs().max() == 0
+    wide = kernels.attention(q.float(), kp, vp, *args)   # float32 queries: float32 weights
+    assert wide.dtype is torch.float32 and abs(wide[0, 0, 0].item() - 0.0009995 / 1.9990005) < 2e-6
 
 
 def test_rms_norm_is_per_row_and_is_rms_norm():

@@ -46,7 +46,7 @@ def every_kernel() -> list[torch.Tensor]:
     denormals in bfloat16 pairs, and
     every GGUF block format, 45 outputs: a padded last panel) at 1 to 9 rows (each row
     tiling of every path) and the quantized ones at 35 (AMX's tiles, two full and a tail), attention over a pool (bfloat16, grouped heads, sinks,
-    windows; wide float32 and float16 heads), RMSNorm (with a residual too), RoPE, argmax, the
+    windows; bfloat16 queries too, with denormals; wide float32 and float16 heads), RMSNorm (with a residual too), RoPE, argmax, the
     greedy head's int8 copy and candidates
     and the elementwise functions."""
     torch.manual_seed(11)
@@ -77,6 +77,18 @@ def every_kernel() -> list[torch.Tensor]:
     first[::3] = (count[::3] - 50).clamp(min=0)                   # every third row: a window of 50
     count = count - first
     out.append(kernels.attention(torch.randn(rows, H, d), kp, vp, keys, first, count, 0.3, torch.randn(H)))
+    # bfloat16 queries over the same pools: VDPBF16PS's arithmetic (a tail of pairs at d 40),
+    # then a head of 256 in groups of 1-4 queries, denormal queries, keys and values among them
+    out.append(kernels.attention(torch.randn(rows, H, d).bfloat16(), kp, vp, keys, first, count, 0.3, torch.randn(H),
+                                 dtype=torch.float32))
+    for G, n in ((4, 70), (3, 9), (1, 5), (2, 1)):
+        kt, vt = torch.randn(slots, 1, 256), torch.randn(slots, 1, 256)
+        qt = torch.randn(n, G, 256)
+        for t in (qt, kt, vt):
+            t.view(-1)[::7] = TINY[1]
+        cnt = torch.arange(171, 171 + n)
+        out.append(kernels.attention(qt.bfloat16(), kt.bfloat16(), vt.bfloat16(), keys, torch.zeros(n, dtype=torch.int64),
+                                     cnt, 0.0625, dtype=torch.float32))
     # wide heads in float32 and float16 (d 150: the value columns in groups of 64 and 16,
     # then a tail; keys taken two and four at a time, then one), decode-like rows
     for dt in (torch.float32, torch.float16):

@@ -38,7 +38,7 @@ _i64, _f32, _int, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_vo
 _SIGNATURES = {
     "ur_linear_io": [_p, _int, _i64, _i64, _i64, _p, _int, _i64, _p, _p, _int, _i64, _int],
     "ur_elementwise_io": [_int, _p, _int, _p, _int, _i64, _f32, _int],
-    "ur_attention": [_p, _i64, _i64, _i64, _p, _p, _int, _i64, _p, _p, _p, _f32, _p, _p, _int],
+    "ur_attention": [_p, _int, _i64, _i64, _i64, _p, _p, _int, _i64, _p, _p, _p, _f32, _p, _p, _int],
     "ur_delta_rule": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
     "ur_ssm_scan": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
     "ur_linear_q": [_p, _int, _i64, _i64, _i64, _p, _p, _p, _int, _i64, _i64, _p, _p, _i64, _int],
@@ -641,22 +641,26 @@ class GreedyHead:
 
 # ---------------------------------------------------------------------------- attention
 def attention(q: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, slots: torch.Tensor, first: torch.Tensor,
-              count: torch.Tensor, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+              count: torch.Tensor, scale: float, sinks: torch.Tensor | None = None,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
     """q [N, H, d] over keys and values in flat pools [slots, KV, d] (any of the three
     dtypes): query row r reads slots[first[r] : first[r] + count[r]]. Returns [N, H, d]
-    in q's dtype."""
+    in q's dtype (or `dtype`: float32 keeps the sums). bfloat16 queries over bfloat16 pools (a bfloat16 model's) take
+    bfloat16 products, VDPBF16PS's arithmetic, and the softmax's weights rounded to
+    bfloat16 before they meet the values, as torch's bfloat16 attention rounds them."""
     N, H, d = q.shape
     KV = kpool.shape[1]
     if kpool.dtype not in _DTYPES or vpool.dtype != kpool.dtype or not (kpool.is_contiguous() and vpool.is_contiguous()):
         raise ValueError("attention: the pools must be contiguous and of one dtype of float32, bfloat16, float16")
-    qf = q.float().contiguous()
-    out = torch.empty_like(qf)
+    pairs = q.dtype is torch.bfloat16 and kpool.dtype is torch.bfloat16 and d % 2 == 0
+    qc = q.contiguous() if pairs else q.float().contiguous()
+    out = torch.empty(N, H, d)
     s = None if sinks is None else sinks.float().contiguous()
     slots, first, count = (t.to(torch.int64).contiguous() for t in (slots, first, count))
-    lib().ur_attention(qf.data_ptr(), N, H, d, kpool.data_ptr(), vpool.data_ptr(), _DTYPES[kpool.dtype], KV,
-                       slots.data_ptr(), first.data_ptr(), count.data_ptr(), float(scale), _ptr(s), out.data_ptr(),
-                       _threads())
-    return out.to(q.dtype)
+    lib().ur_attention(qc.data_ptr(), _DTYPES[qc.dtype], N, H, d, kpool.data_ptr(), vpool.data_ptr(),
+                       _DTYPES[kpool.dtype], KV, slots.data_ptr(), first.data_ptr(), count.data_ptr(), float(scale),
+                       _ptr(s), out.data_ptr(), _threads())
+    return out.to(dtype or q.dtype)
 
 
 # ---------------------------------------------------------------------------- tables

@@ -19,7 +19,8 @@
    - Elementwise functions (exp, sigmoid, silu, softplus, gelu_tanh, tanh) from basic IEEE
      operations only: the vector loop and its tail compute the same function.
    - Attention over keys where they lie in the pools, each query's scores, softmax and
-     weighted sum in key order.
+     weighted sum in key order; bfloat16 queries over bfloat16 pools in VDPBF16PS's
+     arithmetic, the weights rounded to bfloat16 (attend_block_pairs).
    - The recurrences (gated delta rule, Mamba2's selective scan) token by token.
 
    Built with -ffp-contract=off: the only fused operations are the ones written; the
@@ -62,8 +63,8 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_BF16P = 3 };
 const char *ur_isa(void) { return UR_ISA; }
 /* the arithmetic's version: raised when any kernel's bits change (2: quantized products sum
    each group in integers, one chain of groups; 3: paired bfloat16 panels in VDPBF16PS's
-   order), so stored KV of another never meets this */
-int ur_version(void) { return 3; }
+   order; 4: bfloat16 attention in VDPBF16PS's arithmetic, attend_block_pairs), so stored KV of another never meets this */
+int ur_version(void) { return 4; }
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -2130,19 +2131,139 @@ static inline __attribute__((always_inline)) void pvg(
         for (int h = 0; h < PV_GROUPS; h++) wstore(a + qi * d + h * NR, a4[qi][h], NR);
 }
 
+/* keys a tile: read from memory once for all the queries of a block */
+#define KTILE 64
+#define KAHEAD 8   /* keys ahead whose rows are asked for while this one is read (prefetch_row: 1.3-1.6x
+                      faster at 8k keys than without, measured on an AVX-512 machine) */
+
+/* The softmax of a block's scores (sc, rows ws apart, keys [0, n)): each query's maximum
+   (exact in any order: lanes of partial maxima), its exponentials (elementwise), their
+   sum in key order (the queries' sums side by side: independent chains; a key a query
+   does not see adds a zero, which leaves it as it was); the weights left unnormalised in
+   sc (zero outside a query's span [qa, qb), through column pad - 1), 1 / their sum in
+   inv. */
+static void softmax_block(float *sc, int nq, int64_t ws, int64_t n, int64_t pad, const int64_t *qa, const int64_t *qb,
+                          const int64_t *qh, const float *sinks, float *inv) {
+    float mxs[QBLOCK], ls[QBLOCK];
+    for (int qi = 0; qi < nq; qi++) {
+        const float *s = sc + qi * ws;
+        float m[16];
+        for (int l = 0; l < 16; l++) m[l] = -INFINITY;
+        int64_t j = qa[qi];
+        for (; j + 16 <= qb[qi]; j += 16)
+            for (int l = 0; l < 16; l++) m[l] = s[j + l] > m[l] ? s[j + l] : m[l];
+        float mx = -INFINITY;
+        for (; j < qb[qi]; j++) mx = s[j] > mx ? s[j] : mx;
+        for (int l = 0; l < 16; l++) mx = m[l] > mx ? m[l] : mx;
+        const float sink = sinks ? sinks[qh[qi]] : -INFINITY;
+        mxs[qi] = sink > mx ? sink : mx;
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        float *s = sc + qi * ws;
+        const float mx = mxs[qi];
+        const int64_t a = qa[qi], b = qb[qi];
+        for (int64_t j = 0; j < a; j++) s[j] = 0.0f;
+        for (int64_t j = a; j < b; j++) s[j] = ur_expf(s[j] - mx);
+        for (int64_t j = b; j < pad; j++) s[j] = 0.0f;
+        ls[qi] = 0.0f;
+    }
+    for (int64_t j = 0; j < n; j++)
+        for (int qi = 0; qi < nq; qi++) ls[qi] += sc[qi * ws + j];
+    for (int qi = 0; qi < nq; qi++) {
+        float l = ls[qi];
+        if (sinks) l += ur_expf(sinks[qh[qi]] - mxs[qi]);
+        inv[qi] = 1.0f / l;
+    }
+}
+
+/* Each group of 4 queries' span of keys: [ja4, jb4) over the keys any of them sees; with
+   `pairs`, widened to whole pairs of keys from the block's first (to n + 1 where n is odd:
+   the pad, weight 0). */
+static void spans4(int nq, const int64_t *qa, const int64_t *qb, int pairs, int64_t *ja4, int64_t *jb4) {
+    for (int q0 = 0; q0 < nq; q0 += 4) {
+        const int qn = nq - q0 < 4 ? nq - q0 : 4;
+        int64_t ja = qa[q0], jb = qb[q0];
+        for (int qi = q0 + 1; qi < q0 + qn; qi++) {
+            ja = qa[qi] < ja ? qa[qi] : ja;
+            jb = qb[qi] > jb ? qb[qi] : jb;
+        }
+        ja4[q0 / 4] = pairs ? ja & ~(int64_t)1 : ja;
+        jb4[q0 / 4] = pairs ? (jb + 1) & ~(int64_t)1 : jb;
+    }
+}
+
+/* out = P V for a block (attend_block's, and the bfloat16 one's off AVX512-BF16): a tile of
+   keys at a time; in it NR columns at a time, up to 4 queries at a time, over the keys
+   [ja4, jb4) the 4 see (their chains start at the first of those keys), the last tile
+   through key end - 1 (n, or n + 1 with a pad key); acc [nq, d]. */
+static inline __attribute__((always_inline)) void pv_block(
+    int nq, int64_t d, int64_t n, int64_t end, const float *sc, int64_t widest, const int64_t *ja4, const int64_t *jb4,
+    const char *vb, const int64_t *sl, int64_t slot_bytes, int64_t row_bytes, int64_t es, const int dt, float *acc) {
+    for (int qi = 0; qi < nq; qi++)
+        for (int64_t c = 0; c < d; c++) acc[qi * d + c] = 0.0f;
+    for (int64_t j = 0; j < (KTILE < n ? KTILE : n); j++) prefetch_row(vb + sl[j] * slot_bytes, row_bytes);
+    for (int64_t t0 = 0; t0 < n; t0 += KTILE) {
+        /* the last tile takes the pad key n where the spans were rounded to pairs */
+        const int64_t t1 = t0 + KTILE < n ? t0 + KTILE : end;
+        for (int64_t j = t1; j < (t1 + KTILE < n ? t1 + KTILE : n); j++)  /* the next tile's values */
+            prefetch_row(vb + sl[j] * slot_bytes, row_bytes);
+        /* a span of columns at a time, every query group over it: the span's slice of the
+           tile's values (16 KB in float32 at 64 keys) stays in the first-level cache for
+           all the groups (each chain's operations are the same in any loop order) */
+        for (int64_t c0 = 0; c0 < d;) {
+            const int64_t span = d - c0 >= PV_GROUPS * NR ? PV_GROUPS * NR : NR;
+            for (int q0 = 0; q0 < nq; q0 += 4) {
+                const int qn = nq - q0 < 4 ? nq - q0 : 4;
+                const int64_t ja = ja4[q0 / 4] > t0 ? ja4[q0 / 4] : t0, jb = jb4[q0 / 4] < t1 ? jb4[q0 / 4] : t1;
+                if (ja >= jb) continue;
+                const int nc = d - c0 >= NR ? NR : (int)(d - c0);
+                if (d - c0 >= PV_GROUPS * NR) {  /* column groups side by side: more chains in flight */
+                    float *a0 = acc + q0 * d + c0;
+                    const float *p0 = sc + q0 * widest;
+                    const char *v0 = vb + c0 * es;
+                    switch (qn) {
+                    case 4: pvg(4, a0, d, p0, widest, v0, sl, slot_bytes, es, dt, ja, jb); break;
+                    case 3: pvg(3, a0, d, p0, widest, v0, sl, slot_bytes, es, dt, ja, jb); break;
+                    case 2: pvg(2, a0, d, p0, widest, v0, sl, slot_bytes, es, dt, ja, jb); break;
+                    default: pvg(1, a0, d, p0, widest, v0, sl, slot_bytes, es, dt, ja, jb); break;
+                    }
+                } else if (nc == NR) {
+                    wvec a4[4];
+                    for (int qi = 0; qi < qn; qi++) a4[qi] = wloadf(acc + (q0 + qi) * d + c0, NR);
+                    for (int64_t j = ja; j < jb; j++) {
+                        wvec v = wload(vb + sl[j] * slot_bytes + c0 * es, dt);
+                        for (int qi = 0; qi < qn; qi++)
+                            a4[qi] = WV_FMA(sc[(q0 + qi) * widest + j], v, a4[qi]);
+                    }
+                    for (int qi = 0; qi < qn; qi++) wstore(acc + (q0 + qi) * d + c0, a4[qi], NR);
+                } else {
+                    for (int qi = 0; qi < qn; qi++) {
+                        float *a = acc + (q0 + qi) * d + c0;
+                        for (int c = 0; c < nc; c++) {
+                            float x = a[c];
+                            for (int64_t j = ja; j < jb; j++)
+                                x = fmaf(sc[(q0 + qi) * widest + j], load_elem(vb + sl[j] * slot_bytes, dt, c0 + c), x);
+                            a[c] = x;
+                        }
+                    }
+                }
+            }
+            c0 += span;
+        }
+    }
+}
+
 /* One block of rows against KV head kh (ur_attention's body; dt a constant here, so the
    inner loops have no branch). The keys go by in tiles of KTILE: each tile's keys and
    values are read from memory once for all the block's queries (up to QBLOCK of them),
    and each query's chains carry on from one tile to the next exactly as they would over
    all its keys at once (an output chain is kept in `acc` between tiles). */
-#define KTILE 64
-#define KAHEAD 8   /* keys ahead whose rows are asked for while this one is read (prefetch_row: 1.3-1.6x
-                      faster at 8k keys than without, measured on an AVX-512 machine) */
 
 static inline __attribute__((always_inline)) void attend_block(
-    const float *q, int64_t H, int64_t d, const void *kpool, const void *vpool, const int dt, int64_t G,
+    const void *qv, int64_t H, int64_t d, const void *kpool, const void *vpool, const int dt, int64_t G,
     const int64_t *slots, const int64_t *first, const int64_t *count, float scale, const float *sinks, float *out,
     int64_t r0, int64_t r1, int64_t kh, float *sc, int64_t widest, float *acc, float *pq) {
+    const float *q = (const float *)qv;
     const int64_t es = elem_size(dt), slot_bytes = (H / G) * d * es;
     int64_t lo = first[r0], hi = first[r0] + count[r0];
     for (int64_t r = r0 + 1; r < r1; r++) {
@@ -2229,108 +2350,323 @@ static inline __attribute__((always_inline)) void attend_block(
             }
         }
     }
-    /* softmax: each query's maximum (exact in any order: lanes of partial maxima), its
-       exponentials (elementwise), their sum in key order (the queries' sums side by side:
-       independent chains; a key a query does not see adds a zero, which leaves it as it
-       was) */
-    float mxs[QBLOCK], ls[QBLOCK];
-    for (int qi = 0; qi < nq; qi++) {
-        const float *s = sc + qi * widest;
-        float m[16];
-        for (int l = 0; l < 16; l++) m[l] = -INFINITY;
-        int64_t j = qa[qi];
-        for (; j + 16 <= qb[qi]; j += 16)
-            for (int l = 0; l < 16; l++) m[l] = s[j + l] > m[l] ? s[j + l] : m[l];
-        float mx = -INFINITY;
-        for (; j < qb[qi]; j++) mx = s[j] > mx ? s[j] : mx;
-        for (int l = 0; l < 16; l++) mx = m[l] > mx ? m[l] : mx;
-        const float sink = sinks ? sinks[qh[qi]] : -INFINITY;
-        mxs[qi] = sink > mx ? sink : mx;
-    }
-    for (int qi = 0; qi < nq; qi++) {
-        float *s = sc + qi * widest;
-        const float mx = mxs[qi];
-        const int64_t a = qa[qi], b = qb[qi];
-        for (int64_t j = 0; j < a; j++) s[j] = 0.0f;
-        for (int64_t j = a; j < b; j++) s[j] = ur_expf(s[j] - mx);
-        for (int64_t j = b; j < n; j++) s[j] = 0.0f;
-        ls[qi] = 0.0f;
-    }
-    for (int64_t j = 0; j < n; j++)
-        for (int qi = 0; qi < nq; qi++) ls[qi] += sc[qi * widest + j];
-    for (int qi = 0; qi < nq; qi++) {
-        float l = ls[qi];
-        if (sinks) l += ur_expf(sinks[qh[qi]] - mxs[qi]);
-        inv[qi] = 1.0f / l;
-    }
-    /* out = P V: a tile of keys at a time; in it NR columns at a time, up to 4 queries at
-       a time, over the keys the 4 see (their chains start at the first of those keys) */
+    softmax_block(sc, nq, widest, n, n, qa, qb, qh, sinks, inv);
     int64_t ja4[QBLOCK / 4 + 1], jb4[QBLOCK / 4 + 1];
-    for (int q0 = 0; q0 < nq; q0 += 4) {
-        const int qn = nq - q0 < 4 ? nq - q0 : 4;
-        int64_t ja = qa[q0], jb = qb[q0];
-        for (int qi = q0 + 1; qi < q0 + qn; qi++) {
-            ja = qa[qi] < ja ? qa[qi] : ja;
-            jb = qb[qi] > jb ? qb[qi] : jb;
-        }
-        ja4[q0 / 4] = ja;
-        jb4[q0 / 4] = jb;
-    }
-    for (int qi = 0; qi < nq; qi++)
-        for (int64_t c = 0; c < d; c++) acc[qi * d + c] = 0.0f;
-    for (int64_t j = 0; j < (KTILE < n ? KTILE : n); j++) prefetch_row(vb + sl[j] * slot_bytes, row_bytes);
-    for (int64_t t0 = 0; t0 < n; t0 += KTILE) {
-        const int64_t t1 = t0 + KTILE < n ? t0 + KTILE : n;
-        for (int64_t j = t1; j < (t1 + KTILE < n ? t1 + KTILE : n); j++)  /* the next tile's values */
-            prefetch_row(vb + sl[j] * slot_bytes, row_bytes);
-        /* a span of columns at a time, every query group over it: the span's slice of the
-           tile's values (16 KB in float32 at 64 keys) stays in the first-level cache for
-           all the groups (each chain's operations are the same in any loop order) */
-        for (int64_t c0 = 0; c0 < d;) {
-            const int64_t span = d - c0 >= PV_GROUPS * NR ? PV_GROUPS * NR : NR;
-            for (int q0 = 0; q0 < nq; q0 += 4) {
-                const int qn = nq - q0 < 4 ? nq - q0 : 4;
-                const int64_t ja = ja4[q0 / 4] > t0 ? ja4[q0 / 4] : t0, jb = jb4[q0 / 4] < t1 ? jb4[q0 / 4] : t1;
-                if (ja >= jb) continue;
-                const int nc = d - c0 >= NR ? NR : (int)(d - c0);
-                if (d - c0 >= PV_GROUPS * NR) {  /* column groups side by side: more chains in flight */
-                    float *a0 = acc + q0 * d + c0;
-                    const float *p0 = sc + q0 * widest;
-                    const char *v0 = vb + c0 * es;
-                    switch (qn) {
-                    case 4: pvg(4, a0, d, p0, widest, v0, sl, slot_bytes, es, dt, ja, jb); break;
-                    case 3: pvg(3, a0, d, p0, widest, v0, sl, slot_bytes, es, dt, ja, jb); break;
-                    case 2: pvg(2, a0, d, p0, widest, v0, sl, slot_bytes, es, dt, ja, jb); break;
-                    default: pvg(1, a0, d, p0, widest, v0, sl, slot_bytes, es, dt, ja, jb); break;
-                    }
-                } else if (nc == NR) {
-                    wvec a4[4];
-                    for (int qi = 0; qi < qn; qi++) a4[qi] = wloadf(acc + (q0 + qi) * d + c0, NR);
-                    for (int64_t j = ja; j < jb; j++) {
-                        wvec v = wload(vb + sl[j] * slot_bytes + c0 * es, dt);
-                        for (int qi = 0; qi < qn; qi++)
-                            a4[qi] = WV_FMA(sc[(q0 + qi) * widest + j], v, a4[qi]);
-                    }
-                    for (int qi = 0; qi < qn; qi++) wstore(acc + (q0 + qi) * d + c0, a4[qi], NR);
-                } else {
-                    for (int qi = 0; qi < qn; qi++) {
-                        float *a = acc + (q0 + qi) * d + c0;
-                        for (int c = 0; c < nc; c++) {
-                            float x = a[c];
-                            for (int64_t j = ja; j < jb; j++)
-                                x = fmaf(sc[(q0 + qi) * widest + j], load_elem(vb + sl[j] * slot_bytes, dt, c0 + c), x);
-                            a[c] = x;
-                        }
-                    }
-                }
-            }
-            c0 += span;
-        }
-    }
+    spans4(nq, qa, qb, 0, ja4, jb4);
+    pv_block(nq, d, n, n, sc, widest, ja4, jb4, vb, sl, slot_bytes, row_bytes, es, dt, acc);
     for (int qi = 0; qi < nq; qi++) {
         float *o = out + (qr[qi] * H + qh[qi]) * d;
         for (int64_t c = 0; c < d; c++) o[c] = acc[qi * d + c] * inv[qi];
     }
+}
+
+/* ---------------------------------------------- bfloat16 queries, keys and values
+
+   Where a model runs in bfloat16 its queries, keys and values are bfloat16 values, and
+   attention's products take VDPBF16PS where the CPU has AVX512-BF16 (twice the
+   multiply-adds a cycle of float32 FMAs, no conversion), the same steps elsewhere:
+   - a score: 16 lanes, lane l taking the pairs of elements (2i, 2i + 1), i = l (mod 16),
+     in order, each pair's odd element's product first, then the even one's (a head's
+     tail past a multiple of 32 elements as zero pairs); the lanes summed as a tree in
+     lane order (pairs, pairs of pairs, ...); times the scale;
+   - the weighted sum: each output column one chain of multiply-adds over the keys in key
+     order, as attend_block's, of each weight rounded to bfloat16 (as torch's and flash
+     attention's bfloat16 kernels round the softmax before it meets the values); the
+     keys go in pairs from the block's first, so a span may start one key early or end
+     one late (or at a pad key past the last), with weight 0;
+   both in VDPBF16PS's mode (denormal inputs read as zero, denormal results flushed:
+   pair_mode_on), the softmax between them in float32 exactly as attend_block's. */
+
+/* the 16 lanes' tree: ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)), then the halves */
+static inline float tree16(const float *t) {
+    return (((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7])))
+         + (((t[8] + t[9]) + (t[10] + t[11])) + ((t[12] + t[13]) + (t[14] + t[15])));
+}
+
+#if defined(UR_AVX512)
+#if defined(UR_BF16DP)
+static inline __m512 pdp(__m512 acc, __m512i a, __m512i b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+#else
+/* VDPBF16PS's steps in float32 FMAs (in pair_mode_on's mode) */
+static inline __m512 pdp(__m512 acc, __m512i a, __m512i b) {
+    const __m512i m = _mm512_set1_epi32((int)0xffff0000u);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, m)), _mm512_castsi512_ps(_mm512_and_si512(b, m)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+}
+#endif
+
+/* per 128-bit quarter: [a0 + a1, a2 + a3, b0 + b1, b2 + b3] */
+static inline __m512 sum_pairs2(__m512 a, __m512 b) {
+    return _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+/* [x.Q0 + x.Q1, x.Q2 + x.Q3, y.Q0 + y.Q1, y.Q2 + y.Q3] over quarters */
+static inline __m512 sum_quarters2(__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+/* lane i: tree16 of v[i]'s lanes (the same additions; IEEE addition commutes) */
+static inline __m512 tree16x16(const __m512 *v) {
+    __m512 x[4];
+    for (int g = 0; g < 4; g++)
+        x[g] = sum_pairs2(sum_pairs2(v[4 * g], v[4 * g + 1]), sum_pairs2(v[4 * g + 2], v[4 * g + 3]));
+    return sum_quarters2(sum_quarters2(x[0], x[1]), sum_quarters2(x[2], x[3]));
+}
+
+/* Scores of NQ bfloat16 queries a[q] against NK bfloat16 keys b[k] (NQ * NK <= 16), times
+   the scale, into t[q * NK + k]: one vector of chains for each, the keys read once for all
+   queries. */
+static inline __attribute__((always_inline)) void pdots_n(
+        const int NQ, const int NK, const uint16_t *const *a, const char *const *b, int64_t d, float scale, float *t) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + 32 <= d; i += 32) {
+        __m512i kv[16];
+        for (int k = 0; k < NK; k++) kv[k] = _mm512_loadu_si512(b[k] + 2 * i);
+        for (int q = 0; q < NQ; q++) {
+            const __m512i qv = _mm512_loadu_si512(a[q] + i);
+            for (int k = 0; k < NK; k++) acc[q * NK + k] = pdp(acc[q * NK + k], qv, kv[k]);
+        }
+    }
+    if (i < d) {   /* the tail: zero pairs past d */
+        uint16_t z[32];
+        __m512i kv[16];
+        for (int k = 0; k < NK; k++) {
+            memset(z, 0, sizeof z);
+            memcpy(z, b[k] + 2 * i, (size_t)(d - i) * 2);
+            kv[k] = _mm512_loadu_si512(z);
+        }
+        for (int q = 0; q < NQ; q++) {
+            memset(z, 0, sizeof z);
+            memcpy(z, a[q] + i, (size_t)(d - i) * 2);
+            const __m512i qv = _mm512_loadu_si512(z);
+            for (int k = 0; k < NK; k++) acc[q * NK + k] = pdp(acc[q * NK + k], qv, kv[k]);
+        }
+    }
+    _mm512_storeu_ps(t, _mm512_mul_ps(tree16x16(acc), _mm512_set1_ps(scale)));
+}
+#else
+/* one score's chains (AVX2: lanes 0-7 and 8-15 in two vectors; scalar: one at a time) */
+static float pdot(const uint16_t *a, const uint16_t *b, int64_t d) {
+    float t[16];
+#if defined(UR_AVX2)
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    const __m256i m = _mm256_set1_epi32((int)0xffff0000u);
+    uint16_t za[32], zb[32];
+    for (int64_t i = 0; i < d; i += 32) {
+        const uint16_t *pa = a + i, *pb = b + i;
+        if (i + 32 > d) {   /* the tail: zero pairs past d */
+            memset(za, 0, sizeof za);
+            memset(zb, 0, sizeof zb);
+            memcpy(za, pa, (size_t)(d - i) * 2);
+            memcpy(zb, pb, (size_t)(d - i) * 2);
+            pa = za;
+            pb = zb;
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(pa + 16 * h)),
+                          y = _mm256_loadu_si256((const __m256i *)(pb + 16 * h));
+            __m256 acc = h ? hi : lo;
+            acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(x, m)), _mm256_castsi256_ps(_mm256_and_si256(y, m)), acc);
+            acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(x, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(y, 16)), acc);
+            if (h) hi = acc; else lo = acc;
+        }
+    }
+    _mm256_storeu_ps(t, lo);
+    _mm256_storeu_ps(t + 8, hi);
+#else
+    for (int l = 0; l < 16; l++) t[l] = 0.0f;
+    for (int64_t i = 0; i < (d + 31) / 32 * 32; i += 2) {
+        const int l = (int)((i / 2) % 16);
+        const float ao = i + 1 < d ? bf16_to_f32(a[i + 1]) : 0.0f, bo = i + 1 < d ? bf16_to_f32(b[i + 1]) : 0.0f;
+        const float ae = i < d ? bf16_to_f32(a[i]) : 0.0f, be = i < d ? bf16_to_f32(b[i]) : 0.0f;
+        t[l] = fmaf(ao, bo, t[l]);
+        t[l] = fmaf(ae, be, t[l]);
+    }
+#endif
+    return tree16(t);
+}
+#endif
+
+#if defined(UR_BF16DP)
+/* P V by VDPBF16PS for qn queries over keys [ja, jb) (ja even from the block's first, jb
+   too: a pair a step) and NS groups of 32 columns from vb: the pair's two value rows
+   interleaved (key j in each dword's upper half, the instruction's first product),
+   against the two weights in the same order (pp: a query's pairs, pw apart). The chains
+   lie in acc permuted: a group's first vector holds columns 0-3, 8-11, 16-19, 24-27, its
+   second 4-7, 12-15, 20-23, 28-31 (pv_pairs_store puts them back). */
+static inline __attribute__((always_inline)) void pv_pairs(
+        const int qn, const int NS, float *acc, int64_t dp, const int32_t *pp, int64_t pw, const char *vb,
+        const int64_t *sl, int64_t slot_bytes, int64_t ja, int64_t jb, int64_t tail) {
+    __m512 a[4][4];
+    for (int q = 0; q < qn; q++)
+        for (int h = 0; h < 2 * NS; h++) a[q][h] = _mm512_loadu_ps(acc + q * dp + 16 * h);
+    for (int64_t j = ja; j < jb; j += 2) {
+        const char *r0 = vb + sl[j] * slot_bytes, *r1 = vb + sl[j + 1] * slot_bytes;
+        __m512i v[4];
+        for (int s = 0; s < NS; s++) {
+            __m512i x0, x1;
+            if (tail) {   /* a last group of fewer than 32 columns: zeros past them */
+                uint16_t z0[32] = {0}, z1[32] = {0};
+                memcpy(z0, r0, (size_t)tail * 2);
+                memcpy(z1, r1, (size_t)tail * 2);
+                x0 = _mm512_loadu_si512(z0);
+                x1 = _mm512_loadu_si512(z1);
+            } else {
+                x0 = _mm512_loadu_si512(r0 + 64 * s);
+                x1 = _mm512_loadu_si512(r1 + 64 * s);
+            }
+            v[2 * s] = _mm512_unpacklo_epi16(x1, x0);
+            v[2 * s + 1] = _mm512_unpackhi_epi16(x1, x0);
+        }
+        for (int q = 0; q < qn; q++) {
+            const __m512i w = _mm512_set1_epi32(pp[q * pw + j / 2]);
+            for (int h = 0; h < 2 * NS; h++) a[q][h] = pdp(a[q][h], v[h], w);
+        }
+    }
+    for (int q = 0; q < qn; q++)
+        for (int h = 0; h < 2 * NS; h++) _mm512_storeu_ps(acc + q * dp + 16 * h, a[q][h]);
+}
+
+/* column c of pv_pairs' permuted chains */
+static inline int64_t pv_pairs_at(int64_t c) {
+    const int64_t g = c / 32, w = c % 32, k = w / 8, u = w % 8;
+    return g * 32 + (u < 4 ? 0 : 16) + 4 * k + u % 4;
+}
+#endif
+
+/* attend_block for bfloat16 queries (q16 [N, H, d]) over bfloat16 pools, d even: the
+   arithmetic above. pp: the block's weights in pairs (AVX512-BF16); slp: its keys' slots
+   with the last repeated (the pad key's). */
+static void attend_block_pairs(
+    const uint16_t *q16, int64_t H, int64_t d, const void *kpool, const void *vpool, int64_t G,
+    const int64_t *slots, const int64_t *first, const int64_t *count, float scale, const float *sinks, float *out,
+    int64_t r0, int64_t r1, int64_t kh, float *sc, int64_t widest, float *acc, int32_t *pp, int64_t *slp) {
+    const int64_t es = 2, slot_bytes = (H / G) * d * es, row_bytes = d * es;
+    int64_t lo = first[r0], hi = first[r0] + count[r0];
+    for (int64_t r = r0 + 1; r < r1; r++) {
+        lo = first[r] < lo ? first[r] : lo;
+        hi = first[r] + count[r] > hi ? first[r] + count[r] : hi;
+    }
+    const int64_t n = hi - lo, end = n + (n & 1);
+    const int nq = (int)((r1 - r0) * G);
+    const uint16_t *qp[QBLOCK];
+    int64_t qa[QBLOCK], qb[QBLOCK], qh[QBLOCK], qr[QBLOCK];
+    float inv[QBLOCK];
+    for (int qi = 0; qi < nq; qi++) {
+        qr[qi] = r0 + qi / G;
+        qh[qi] = kh * G + qi % G;
+        qp[qi] = q16 + (qr[qi] * H + qh[qi]) * d;
+        qa[qi] = first[qr[qi]] - lo;
+        qb[qi] = qa[qi] + count[qr[qi]];
+    }
+    const char *kb = (const char *)kpool + kh * d * es, *vb = (const char *)vpool + kh * d * es;
+    const int64_t *sl = slots + lo;
+    memcpy(slp, sl, sizeof(int64_t) * (size_t)n);
+    slp[n] = sl[n - 1];
+    unsigned mode = pair_mode_on();
+    for (int64_t t0 = 0; t0 < n; t0 += KTILE) {
+        const int64_t t1 = t0 + KTILE < n ? t0 + KTILE : n;
+#if defined(UR_AVX512)
+        for (int g0 = 0; g0 < nq; g0 += 4) {
+            const int gn = nq - g0 < 4 ? nq - g0 : 4, nk = gn == 1 ? 16 : gn == 2 ? 8 : 4;
+            for (int64_t j = t0; j < t1; j += nk) {
+                const char *b[16];
+                float t[16];
+                for (int k = 0; k < nk; k++) {   /* past the tile: its last key again, the score unused */
+                    b[k] = kb + sl[j + k < t1 ? j + k : t1 - 1] * slot_bytes;
+                    if (g0 == 0 && j + k < t1 && j + k + KAHEAD < n) prefetch_row(kb + sl[j + k + KAHEAD] * slot_bytes, row_bytes);
+                }
+                float *s0 = sc + g0 * widest + j;
+                const int64_t kn = t1 - j < nk ? t1 - j : nk;
+#define PD(Q, K) do {                                                                         \
+                    pdots_n(Q, K, qp + g0, b, d, scale, t);                                 \
+                    if (kn == K) for (int qi = 0; qi < Q; qi++) memcpy(s0 + qi * widest, t + qi * K, 4 * K); \
+                    else for (int qi = 0; qi < Q; qi++) memcpy(s0 + qi * widest, t + qi * K, 4 * kn);     \
+                } while (0)
+                switch (gn) {
+                case 1: PD(1, 16); break;
+                case 2: PD(2, 8); break;
+                case 3: PD(3, 4); break;
+                default: PD(4, 4); break;
+                }
+#undef PD
+            }
+        }
+#else
+        for (int qi = 0; qi < nq; qi++)
+            for (int64_t j = t0; j < t1; j++)
+                sc[qi * widest + j] = pdot(qp[qi], (const uint16_t *)(kb + sl[j] * slot_bytes), d) * scale;
+#endif
+    }
+    pair_mode_off(mode);
+    softmax_block(sc, nq, widest, n, end, qa, qb, qh, sinks, inv);
+    int64_t ja4[QBLOCK / 4 + 1], jb4[QBLOCK / 4 + 1];
+    spans4(nq, qa, qb, 1, ja4, jb4);
+    mode = pair_mode_on();
+#if defined(UR_BF16DP)
+    /* the weights in pairs, key 2t's in the upper half (the instruction's first product) */
+    const int64_t pw = end / 2, dp = (d + 31) / 32 * 32;
+    for (int qi = 0; qi < nq; qi++) {
+        const float *w = sc + qi * widest;
+        int32_t *o = pp + qi * pw;
+        int64_t t = 0;
+        for (; t + 8 <= pw; t += 8) {   /* 16 weights rounded, each dword's halves swapped */
+            const __m256i h = bf16x16(_mm512_loadu_ps(w + 2 * t));
+            _mm256_storeu_si256((__m256i *)(o + t), _mm256_or_si256(_mm256_slli_epi32(h, 16), _mm256_srli_epi32(h, 16)));
+        }
+        for (; t < pw; t++) o[t] = (int32_t)((uint32_t)f32_to_bf16(w[2 * t]) << 16 | f32_to_bf16(w[2 * t + 1]));
+    }
+    for (int64_t i = 0; i < nq * dp; i++) acc[i] = 0.0f;
+    for (int64_t j = 0; j < (KTILE < n ? KTILE : n); j++) prefetch_row(vb + sl[j] * slot_bytes, row_bytes);
+    for (int64_t t0 = 0; t0 < n; t0 += KTILE) {
+        const int64_t t1 = t0 + KTILE < n ? t0 + KTILE : end;
+        for (int64_t j = t1; j < (t1 + KTILE < n ? t1 + KTILE : n); j++) prefetch_row(vb + sl[j] * slot_bytes, row_bytes);
+        for (int64_t c0 = 0; c0 < d;) {
+            const int ns = d - c0 >= 64 ? 2 : 1;
+            const int64_t tail = d - c0 < 32 ? d - c0 : 0;
+            for (int q0 = 0; q0 < nq; q0 += 4) {
+                const int qn = nq - q0 < 4 ? nq - q0 : 4;
+                const int64_t ja = ja4[q0 / 4] > t0 ? ja4[q0 / 4] : t0, jb = jb4[q0 / 4] < t1 ? jb4[q0 / 4] : t1;
+                if (ja >= jb) continue;
+                float *a0 = acc + q0 * dp + c0;
+                const int32_t *p0 = pp + q0 * pw;
+                const char *v0 = vb + c0 * es;
+#define PV(Q) (ns == 2 ? pv_pairs(Q, 2, a0, dp, p0, pw, v0, slp, slot_bytes, ja, jb, 0) \
+                       : pv_pairs(Q, 1, a0, dp, p0, pw, v0, slp, slot_bytes, ja, jb, tail))
+                switch (qn) {
+                case 4: PV(4); break;
+                case 3: PV(3); break;
+                case 2: PV(2); break;
+                default: PV(1); break;
+                }
+#undef PV
+            }
+            c0 += 32 * ns;
+        }
+    }
+    pair_mode_off(mode);
+    for (int qi = 0; qi < nq; qi++) {
+        float *o = out + (qr[qi] * H + qh[qi]) * d;
+        for (int64_t c = 0; c < d; c++) o[c] = acc[qi * dp + pv_pairs_at(c)] * inv[qi];
+    }
+#else
+    /* the same chains one key at a time: each weight rounded to bfloat16 */
+    for (int qi = 0; qi < nq; qi++) {
+        float *w = sc + qi * widest;
+        int64_t j = 0;
+#if defined(UR_AVX512)
+        for (; j + 16 <= end; j += 16) _mm512_storeu_ps(w + j, bf16r16(_mm512_loadu_ps(w + j)));
+#endif
+        for (; j < end; j++) w[j] = bf16_to_f32(f32_to_bf16(w[j]));
+    }
+    pv_block(nq, d, n, end, sc, widest, ja4, jb4, vb, slp, slot_bytes, row_bytes, es, DT_BF16, acc);
+    pair_mode_off(mode);
+    for (int qi = 0; qi < nq; qi++) {
+        float *o = out + (qr[qi] * H + qh[qi]) * d;
+        for (int64_t c = 0; c < d; c++) o[c] = acc[qi * d + c] * inv[qi];
+    }
+#endif
 }
 
 /* For each query row r and head h: out[r, h] = softmax(scale * q[r, h] . K_j) V_j over
@@ -2345,7 +2681,7 @@ static inline __attribute__((always_inline)) void attend_block(
    speed, the queries of a few rows that share a KV head and overlapping keys go
    together (each key and value read once for all of them); a key a query does not see
    gets the weight 0, which leaves its chains as they were. */
-void ur_attention(const float *q, int64_t N, int64_t H, int64_t d, const void *kpool, const void *vpool,
+void ur_attention(const void *q, int qdt, int64_t N, int64_t H, int64_t d, const void *kpool, const void *vpool,
                   int dt, int64_t KV, const int64_t *slots, const int64_t *first, const int64_t *count,
                   float scale, const float *sinks, float *out, int nt) {
     const int64_t G = H / KV;
@@ -2365,29 +2701,39 @@ void ur_attention(const float *q, int64_t N, int64_t H, int64_t d, const void *k
         r = e;
     }
     bstart[nb] = N;
+    const int pairs = qdt == DT_BF16 && dt == DT_BF16 && d % 2 == 0;   /* attend_block_pairs */
+    const int64_t ws = widest + 1;   /* a score row: a query's keys and a pad key */
+    const int64_t nqmax = G > QBLOCK ? G : QBLOCK;
 #pragma omp parallel num_threads(nt) if (nt > 1 && nb * KV > 1)
     {
-        float *sc = (float *)malloc(sizeof(float) * (G > QBLOCK ? G : QBLOCK) * widest);
-        float *acc = (float *)malloc(sizeof(float) * (G > QBLOCK ? G : QBLOCK) * d);
-        float *pq = (float *)aligned_alloc(64, (sizeof(float) * ((G > QBLOCK ? G : QBLOCK) + 1) * d + 63) / 64 * 64);
+        float *sc = (float *)malloc(sizeof(float) * nqmax * ws);
+        float *acc = (float *)malloc(sizeof(float) * nqmax * ((d + 31) / 32 * 32));
+        float *pq = (float *)aligned_alloc(64, (sizeof(float) * (nqmax + 1) * d + 63) / 64 * 64);
+        int32_t *pp = pairs ? (int32_t *)malloc(sizeof(int32_t) * nqmax * (ws / 2 + 1)) : NULL;
+        int64_t *slp = pairs ? (int64_t *)malloc(sizeof(int64_t) * ws) : NULL;
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t bi = 0; bi < nb; bi++) {
             for (int64_t kh = 0; kh < KV; kh++) {
                 const int64_t r0 = bstart[bi], r1 = bstart[bi + 1];
-                if (dt == DT_F32)
+                if (pairs)
+                    attend_block_pairs((const uint16_t *)q, H, d, kpool, vpool, G, slots, first, count, scale, sinks,
+                                       out, r0, r1, kh, sc, ws, acc, pp, slp);
+                else if (dt == DT_F32)
                     attend_block(q, H, d, kpool, vpool, DT_F32, G, slots, first, count, scale, sinks, out, r0, r1, kh,
-                                 sc, widest, acc, pq);
+                                 sc, ws, acc, pq);
                 else if (dt == DT_BF16)
                     attend_block(q, H, d, kpool, vpool, DT_BF16, G, slots, first, count, scale, sinks, out, r0, r1,
-                                 kh, sc, widest, acc, pq);
+                                 kh, sc, ws, acc, pq);
                 else
                     attend_block(q, H, d, kpool, vpool, DT_F16, G, slots, first, count, scale, sinks, out, r0, r1,
-                                 kh, sc, widest, acc, pq);
+                                 kh, sc, ws, acc, pq);
             }
         }
         free(sc);
         free(acc);
         free(pq);
+        free(pp);
+        free(slp);
     }
     free(bstart);
 }
