@@ -72,6 +72,11 @@ def test_the_greedy_head_picks_the_full_heads_argmax(dtype, scaled):
     want = _full(x, head, finish)
     got = [gh.argmax(x[i:i + 1], finish)[0] for i in range(len(x))]   # alone: only its own candidates computed
     assert gh.argmax(x[:40], finish) == got[:40]      # together: the same
+    for n in (2, 9, 17):                              # rows in blocks of even size (17: 6, 6, 5): the same candidates
+        together = gh.candidates(x[:n], dtype)
+        for i in range(n):
+            alone = gh.candidates(x[i:i + 1], dtype)[0]
+            assert (alone is None and together[i] is None) or torch.equal(alone, together[i]), (n, i)
     assert got[0] == want[0] == 20 and got[1] == want[1] == 0
     assert all(t is None or t == w for t, w in zip(got, want)), [(i, t, w) for i, (t, w) in enumerate(zip(got, want))
                                                                   if t is not None and t != w]

@@ -1519,21 +1519,38 @@ static inline void gh_big(const gh_row *g, const uint8_t *q2, const int8_t *pane
 }
 
 #if defined(UR_AVX512) && defined(__AVX512VNNI__)
-/* L rows' integer sums against one panel: sums[l][c] = sum_k q0[l * Kp + k] panel[k][c] */
-static inline __attribute__((always_inline)) void gh_sums(const int L, const uint8_t *q0, int64_t Kp,
+/* L rows' integer sums against one panel: sums[l][c] = sum_k q0[l * Kp + k] panel[k][c],
+   C chains a row over alternate groups of 4 inputs (one or two rows: one chain would wait
+   on each dpbusd's latency; integer sums are exact in any order) */
+static inline __attribute__((always_inline)) void gh_sums(const int L, const int C, const uint8_t *q0, int64_t Kp,
                                                           const int8_t *panel, int32_t sums[][NR], const int8_t *pf) {
-    __m512i acc[GH_ROWS];
-    for (int l = 0; l < L; l++) acc[l] = _mm512_setzero_si512();
-    for (int64_t k = 0; k < Kp; k += 4) {
+    __m512i acc[GH_ROWS][4];
+    for (int l = 0; l < L; l++)
+        for (int c = 0; c < C; c++) acc[l][c] = _mm512_setzero_si512();
+    int64_t k = 0;
+    for (; k + 4 * C <= Kp; k += 4 * C)
+        for (int c = 0; c < C; c++) {
+            if (pf) __builtin_prefetch(pf + (k + 4 * c) * NR, 0, 2);
+            const __m512i wv = _mm512_loadu_si512(panel + (k + 4 * c) * NR);
+            for (int l = 0; l < L; l++) {
+                int32_t four;
+                memcpy(&four, q0 + l * Kp + k + 4 * c, 4);
+                acc[l][c] = _mm512_dpbusd_epi32(acc[l][c], _mm512_set1_epi32(four), wv);
+            }
+        }
+    for (; k < Kp; k += 4) {
         if (pf) __builtin_prefetch(pf + k * NR, 0, 2);
         const __m512i wv = _mm512_loadu_si512(panel + k * NR);
         for (int l = 0; l < L; l++) {
             int32_t four;
             memcpy(&four, q0 + l * Kp + k, 4);
-            acc[l] = _mm512_dpbusd_epi32(acc[l], _mm512_set1_epi32(four), wv);
+            acc[l][0] = _mm512_dpbusd_epi32(acc[l][0], _mm512_set1_epi32(four), wv);
         }
     }
-    for (int l = 0; l < L; l++) _mm512_storeu_si512(sums[l], acc[l]);
+    for (int l = 0; l < L; l++) {
+        for (int c = 1; c < C; c++) acc[l][0] = _mm512_add_epi32(acc[l][0], acc[l][c]);
+        _mm512_storeu_si512(sums[l], acc[l][0]);
+    }
 }
 #endif
 
@@ -1589,8 +1606,9 @@ void ur_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *q,
     for (int64_t p = 0; p < P; p++) {
         const int8_t *panel = q + p * Kp * NR;
         const int nw = V - p * NR >= NR ? NR : (int)(V - p * NR);
-        for (int64_t m0 = 0; m0 < M; m0 += GH_ROWS) {
-            const int mr = M - m0 >= GH_ROWS ? GH_ROWS : (int)(M - m0);
+        for (int64_t m0 = 0, left = (M + GH_ROWS - 1) / GH_ROWS; m0 < M; left--) {
+            /* the rows in blocks of even size (17: 6, 6, 5; not 8, 8, 1) */
+            const int mr = (int)((M - m0 + left - 1) / left);
             int32_t sums[GH_ROWS][NR];
 #if defined(UR_AVX512) && defined(__AVX512VNNI__)
             /* several rows: the first block asks for the next panel while it reads this one
@@ -1598,8 +1616,8 @@ void ur_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *q,
                the hardware's prefetch alone is faster) */
             const int8_t *pf = M > 2 && m0 == 0 && p + 1 < P ? panel + Kp * NR : NULL;
             switch (mr) {   /* the row count a constant: the sums stay in registers */
-#define GH(R) case R: gh_sums(R, q1 + m0 * Kp, Kp, panel, sums, pf); break;
-            GH(1) GH(2) GH(3) GH(4) GH(5) GH(6) GH(7) GH(8)
+#define GH(R, C) case R: gh_sums(R, C, q1 + m0 * Kp, Kp, panel, sums, pf); break;
+            GH(1, 4) GH(2, 2) GH(3, 1) GH(4, 1) GH(5, 1) GH(6, 1) GH(7, 1) GH(8, 1)
 #undef GH
             }
 #else
@@ -1634,6 +1652,7 @@ void ur_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *q,
                 for (int c = nw; c < NR; c++) ur[c] = -INFINITY;   /* a last panel's padding */
                 best[m0 + r] = top;
             }
+            m0 += mr;
         }
     }
     for (int64_t m = 0; m < M; m++) {
@@ -1642,7 +1661,17 @@ void ur_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *q,
         if (!rw[m].ok || !isfinite(T)) { count[m] = -1; continue; }
         const float bar = (float)(T - (rel * fabs(T) + abs_));
         const float *ur = u + m * VP;
-        for (int64_t j = 0; j < V && n >= 0; j++)
+        int64_t j = 0;
+#if defined(UR_AVX512)
+        const __m512 bv = _mm512_set1_ps(bar);
+        for (; j + 16 <= V && n >= 0; j += 16)   /* 16 words a compare; the few that pass one by one */
+            for (__mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(ur + j), bv, _CMP_GE_OQ); hit && n >= 0;
+                 hit &= (__mmask16)(hit - 1)) {
+                if (n == cap) n = -1;
+                else cand[m * cap + n++] = j + __builtin_ctz(hit);
+            }
+#endif
+        for (; j < V && n >= 0; j++)
             if (ur[j] >= bar) {
                 if (n == cap) n = -1;
                 else cand[m * cap + n++] = j;
