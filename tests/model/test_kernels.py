@@ -201,7 +201,8 @@ def test_attention_is_per_query_and_is_softmax_attention(qdt, dtype, sinks):
         assert (out[r].double() - ref).abs().max().item() < _attention_tolerance(qdt)
 
 
-@pytest.mark.parametrize("shape", [(8, 2, 24), (6, 2, 32), (3, 3, 16), (4, 2, 20), (4, 1, 256), (2, 1, 70)], ids=str)
+@pytest.mark.parametrize("shape", [(8, 2, 24), (6, 2, 32), (3, 3, 16), (4, 2, 20), (4, 1, 256), (2, 1, 70), (72, 1, 16)],
+                         ids=str)
 @pytest.mark.parametrize("qdt,dtype", QK_DTYPES, ids=QK_IDS)
 def test_attention_over_long_spans_is_the_same_bits_in_any_block(qdt, dtype, shape):
     """A prefill chunk of 90 rows over 300 earlier keys (query blocks of 64, key tiles of
@@ -209,7 +210,8 @@ def test_attention_over_long_spans_is_the_same_bits_in_any_block(qdt, dtype, sha
     cut anywhere, and within float32 of softmax attention. Heads per KV head 4, 3 and 1,
     so that a block's queries come in every count (float32 scores take them in pairs on
     AVX-512: one left over, or a group of 1-7; bfloat16 ones in groups of 1-4), and head
-    sizes past the vector width (bfloat16: 256, and 70, a tail of pairs)."""
+    sizes past the vector width (bfloat16: 256, and 70, a tail of pairs); 72 heads a KV
+    head, more than a block's 64 queries (the heads in parts: it crashed)."""
     torch.manual_seed(5)
     (H, KV, d), n_slots = shape, 500
     kp, vp = torch.randn(n_slots, KV, d).to(dtype), torch.randn(n_slots, KV, d).to(dtype)

@@ -2291,7 +2291,7 @@ static inline __attribute__((always_inline)) void pv_block(
 static inline __attribute__((always_inline)) void attend_block(
     const void *qv, int64_t H, int64_t d, const void *kpool, const void *vpool, const int dt, int64_t G,
     const int64_t *slots, const int64_t *first, const int64_t *count, float scale, const float *sinks, float *out,
-    int64_t r0, int64_t r1, int64_t kh, float *sc, int64_t widest, float *acc, float *pq) {
+    int64_t r0, int64_t r1, int64_t kh, int64_t h0, int64_t hn, float *sc, int64_t widest, float *acc, float *pq) {
     const float *q = (const float *)qv;
     const int64_t es = elem_size(dt), slot_bytes = (H / G) * d * es;
     int64_t lo = first[r0], hi = first[r0] + count[r0];
@@ -2300,14 +2300,14 @@ static inline __attribute__((always_inline)) void attend_block(
         hi = first[r] + count[r] > hi ? first[r] + count[r] : hi;
     }
     const int64_t n = hi - lo;
-    /* the block's queries: its rows x the heads of KV head kh */
-    const int nq = (int)((r1 - r0) * G);
+    /* the block's queries: its rows x heads h0 .. h0 + hn of KV head kh */
+    const int nq = (int)((r1 - r0) * hn);
     const float *qp[QBLOCK];
     int64_t qa[QBLOCK], qb[QBLOCK], qh[QBLOCK], qr[QBLOCK];
     float inv[QBLOCK];
     for (int qi = 0; qi < nq; qi++) {
-        qr[qi] = r0 + qi / G;
-        qh[qi] = kh * G + qi % G;
+        qr[qi] = r0 + qi / hn;
+        qh[qi] = kh * G + h0 + qi % hn;
         qp[qi] = q + (qr[qi] * H + qh[qi]) * d;
         qa[qi] = first[qr[qi]] - lo;
         qb[qi] = qa[qi] + count[qr[qi]];
@@ -2570,7 +2570,8 @@ static inline int64_t pv_pairs_at(int64_t c) {
 static void attend_block_pairs(
     const uint16_t *q16, int64_t H, int64_t d, const void *kpool, const void *vpool, int64_t G,
     const int64_t *slots, const int64_t *first, const int64_t *count, float scale, const float *sinks, float *out,
-    int64_t r0, int64_t r1, int64_t kh, float *sc, int64_t widest, float *acc, int32_t *pp, int64_t *slp) {
+    int64_t r0, int64_t r1, int64_t kh, int64_t h0, int64_t hn, float *sc, int64_t widest, float *acc, int32_t *pp,
+    int64_t *slp) {
     const int64_t es = 2, slot_bytes = (H / G) * d * es, row_bytes = d * es;
     int64_t lo = first[r0], hi = first[r0] + count[r0];
     for (int64_t r = r0 + 1; r < r1; r++) {
@@ -2578,13 +2579,13 @@ static void attend_block_pairs(
         hi = first[r] + count[r] > hi ? first[r] + count[r] : hi;
     }
     const int64_t n = hi - lo, end = n + (n & 1);
-    const int nq = (int)((r1 - r0) * G);
+    const int nq = (int)((r1 - r0) * hn);
     const uint16_t *qp[QBLOCK];
     int64_t qa[QBLOCK], qb[QBLOCK], qh[QBLOCK], qr[QBLOCK];
     float inv[QBLOCK];
     for (int qi = 0; qi < nq; qi++) {
-        qr[qi] = r0 + qi / G;
-        qh[qi] = kh * G + qi % G;
+        qr[qi] = r0 + qi / hn;
+        qh[qi] = kh * G + h0 + qi % hn;
         qp[qi] = q16 + (qr[qi] * H + qh[qi]) * d;
         qa[qi] = first[qr[qi]] - lo;
         qb[qi] = qa[qi] + count[qr[qi]];
@@ -2714,7 +2715,10 @@ void ur_attention(const void *q, int qdt, int64_t N, int64_t H, int64_t d, const
                   int dt, int64_t KV, const int64_t *slots, const int64_t *first, const int64_t *count,
                   float scale, const float *sinks, float *out, int nt) {
     const int64_t G = H / KV;
-    const int64_t RB = G >= QBLOCK ? 1 : QBLOCK / G;     /* rows per block */
+    /* a block's queries: rows x up to QBLOCK heads of one KV head (more heads a KV head
+       than that: the heads in parts, HC of them) */
+    const int64_t GB = G > QBLOCK ? QBLOCK : G, HC = (G + GB - 1) / GB;
+    const int64_t RB = QBLOCK / GB;     /* rows per block */
     /* blocks of consecutive rows whose key ranges overlap */
     int64_t *bstart = (int64_t *)malloc(sizeof(int64_t) * (N + 1));
     int64_t nb = 0, widest = 1;
@@ -2732,8 +2736,8 @@ void ur_attention(const void *q, int qdt, int64_t N, int64_t H, int64_t d, const
     bstart[nb] = N;
     const int pairs = qdt == DT_BF16 && dt == DT_BF16 && d % 2 == 0;   /* attend_block_pairs */
     const int64_t ws = widest + 1;   /* a score row: a query's keys and a pad key */
-    const int64_t nqmax = G > QBLOCK ? G : QBLOCK;
-#pragma omp parallel num_threads(nt) if (nt > 1 && nb * KV > 1)
+    const int64_t nqmax = QBLOCK;
+#pragma omp parallel num_threads(nt) if (nt > 1 && nb * KV * HC > 1)
     {
         float *sc = (float *)malloc(sizeof(float) * nqmax * ws);
         float *acc = (float *)malloc(sizeof(float) * nqmax * ((d + 31) / 32 * 32));
@@ -2742,20 +2746,21 @@ void ur_attention(const void *q, int qdt, int64_t N, int64_t H, int64_t d, const
         int64_t *slp = pairs ? (int64_t *)malloc(sizeof(int64_t) * ws) : NULL;
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t bi = 0; bi < nb; bi++) {
-            for (int64_t kh = 0; kh < KV; kh++) {
-                const int64_t r0 = bstart[bi], r1 = bstart[bi + 1];
+            for (int64_t kc = 0; kc < KV * HC; kc++) {
+                const int64_t r0 = bstart[bi], r1 = bstart[bi + 1], kh = kc / HC, h0 = kc % HC * GB;
+                const int64_t hn = G - h0 < GB ? G - h0 : GB;
                 if (pairs)
                     attend_block_pairs((const uint16_t *)q, H, d, kpool, vpool, G, slots, first, count, scale, sinks,
-                                       out, r0, r1, kh, sc, ws, acc, pp, slp);
+                                       out, r0, r1, kh, h0, hn, sc, ws, acc, pp, slp);
                 else if (dt == DT_F32)
                     attend_block(q, H, d, kpool, vpool, DT_F32, G, slots, first, count, scale, sinks, out, r0, r1, kh,
-                                 sc, ws, acc, pq);
+                                 h0, hn, sc, ws, acc, pq);
                 else if (dt == DT_BF16)
                     attend_block(q, H, d, kpool, vpool, DT_BF16, G, slots, first, count, scale, sinks, out, r0, r1,
-                                 kh, sc, ws, acc, pq);
+                                 kh, h0, hn, sc, ws, acc, pq);
                 else
                     attend_block(q, H, d, kpool, vpool, DT_F16, G, slots, first, count, scale, sinks, out, r0, r1,
-                                 kh, sc, ws, acc, pq);
+                                 kh, h0, hn, sc, ws, acc, pq);
             }
         }
         free(sc);
