@@ -2593,7 +2593,7 @@ static void attend_block_pairs(
     const char *kb = (const char *)kpool + kh * d * es, *vb = (const char *)vpool + kh * d * es;
     const int64_t *sl = slots + lo;
     memcpy(slp, sl, sizeof(int64_t) * (size_t)n);
-    slp[n] = sl[n - 1];
+    slp[n] = n > 0 ? sl[n - 1] : 0;   /* the pad key: the last again (weight 0) */
     unsigned mode = pair_mode_on();
     for (int64_t t0 = 0; t0 < n; t0 += KTILE) {
         const int64_t t1 = t0 + KTILE < n ? t0 + KTILE : n;
