@@ -2474,36 +2474,59 @@ static inline __attribute__((always_inline)) void pdots_n(
     }
     _mm512_storeu_ps(t, _mm512_mul_ps(tree16x16(acc), _mm512_set1_ps(scale)));
 }
-#else
-/* one score's chains (AVX2: lanes 0-7 and 8-15 in two vectors; scalar: one at a time) */
-static float pdot(const uint16_t *a, const uint16_t *b, int64_t d) {
-    float t[16];
-#if defined(UR_AVX2)
-    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+#elif defined(UR_AVX2)
+/* A query's elements split once into its pairs' odd and even ones, as float32, 32 a chunk:
+   [chunk][lanes 0-7's odd, their even, lanes 8-15's odd, their even] (zeros past d). */
+static void psplit(const uint16_t *q, int64_t d, float *o) {
+    for (int64_t c = 0; c < (d + 31) / 32; c++) {
+        uint16_t z[32] = {0};
+        memcpy(z, q + 32 * c, (size_t)(d - 32 * c < 32 ? d - 32 * c : 32) * 2);
+        for (int h = 0; h < 2; h++)
+            for (int l = 0; l < 8; l++) {
+                o[c * 32 + h * 16 + l] = bf16_to_f32(z[16 * h + 2 * l + 1]);
+                o[c * 32 + h * 16 + 8 + l] = bf16_to_f32(z[16 * h + 2 * l]);
+            }
+    }
+}
+
+/* Scores of NQ queries (psplit's) against one bfloat16 key, times the scale, into
+   out[q]: lanes 0-7 and 8-15 of each query's chains in two vectors, the key's pairs
+   split once for all; each vector's lanes summed by hadd's pairs (lanes_sum's tree), the
+   two halves added last (tree16). */
+static inline __attribute__((always_inline)) void pdots_n(
+        const int NQ, const float *const *qs, const uint16_t *k, int64_t d, float scale, float *out) {
+    __m256 lo[4], hi[4];
+    for (int q = 0; q < 4; q++) lo[q] = hi[q] = _mm256_setzero_ps();
     const __m256i m = _mm256_set1_epi32((int)0xffff0000u);
-    uint16_t za[32], zb[32];
-    for (int64_t i = 0; i < d; i += 32) {
-        const uint16_t *pa = a + i, *pb = b + i;
-        if (i + 32 > d) {   /* the tail: zero pairs past d */
-            memset(za, 0, sizeof za);
-            memset(zb, 0, sizeof zb);
-            memcpy(za, pa, (size_t)(d - i) * 2);
-            memcpy(zb, pb, (size_t)(d - i) * 2);
-            pa = za;
-            pb = zb;
+    for (int64_t c = 0; c < (d + 31) / 32; c++) {
+        const uint16_t *kc = k + 32 * c;
+        uint16_t z[32];
+        if (32 * c + 32 > d) {   /* the tail: zero pairs past d */
+            memset(z, 0, sizeof z);
+            memcpy(z, kc, (size_t)(d - 32 * c) * 2);
+            kc = z;
         }
-        for (int h = 0; h < 2; h++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(pa + 16 * h)),
-                          y = _mm256_loadu_si256((const __m256i *)(pb + 16 * h));
-            __m256 acc = h ? hi : lo;
-            acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(x, m)), _mm256_castsi256_ps(_mm256_and_si256(y, m)), acc);
-            acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(x, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(y, 16)), acc);
-            if (h) hi = acc; else lo = acc;
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)kc), x1 = _mm256_loadu_si256((const __m256i *)(kc + 16));
+        const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(x0, m)), e0 = _mm256_castsi256_ps(_mm256_slli_epi32(x0, 16));
+        const __m256 o1 = _mm256_castsi256_ps(_mm256_and_si256(x1, m)), e1 = _mm256_castsi256_ps(_mm256_slli_epi32(x1, 16));
+        for (int q = 0; q < NQ; q++) {
+            const float *s = qs[q] + 32 * c;
+            lo[q] = _mm256_fmadd_ps(_mm256_loadu_ps(s), o0, lo[q]);
+            lo[q] = _mm256_fmadd_ps(_mm256_loadu_ps(s + 8), e0, lo[q]);
+            hi[q] = _mm256_fmadd_ps(_mm256_loadu_ps(s + 16), o1, hi[q]);
+            hi[q] = _mm256_fmadd_ps(_mm256_loadu_ps(s + 24), e1, hi[q]);
         }
     }
-    _mm256_storeu_ps(t, lo);
-    _mm256_storeu_ps(t + 8, hi);
+    const __m256 hl = _mm256_hadd_ps(_mm256_hadd_ps(lo[0], lo[1]), _mm256_hadd_ps(lo[2], lo[3]));
+    const __m256 hh = _mm256_hadd_ps(_mm256_hadd_ps(hi[0], hi[1]), _mm256_hadd_ps(hi[2], hi[3]));
+    const __m128 sl = _mm_add_ps(_mm256_castps256_ps128(hl), _mm256_extractf128_ps(hl, 1));
+    const __m128 sh = _mm_add_ps(_mm256_castps256_ps128(hh), _mm256_extractf128_ps(hh, 1));
+    _mm_storeu_ps(out, _mm_mul_ps(_mm_add_ps(sl, sh), _mm_set1_ps(scale)));
+}
 #else
+/* one score's chains, one at a time (the scalar build) */
+static float pdot(const uint16_t *a, const uint16_t *b, int64_t d) {
+    float t[16];
     for (int l = 0; l < 16; l++) t[l] = 0.0f;
     for (int64_t i = 0; i < (d + 31) / 32 * 32; i += 2) {
         const int l = (int)((i / 2) % 16);
@@ -2512,7 +2535,6 @@ static float pdot(const uint16_t *a, const uint16_t *b, int64_t d) {
         t[l] = fmaf(ao, bo, t[l]);
         t[l] = fmaf(ae, be, t[l]);
     }
-#endif
     return tree16(t);
 }
 #endif
@@ -2594,6 +2616,12 @@ static void attend_block_pairs(
     const int64_t *sl = slots + lo;
     memcpy(slp, sl, sizeof(int64_t) * (size_t)n);
     slp[n] = n > 0 ? sl[n - 1] : 0;   /* the pad key: the last again (weight 0) */
+    const int64_t dp = (d + 31) / 32 * 32;   /* a query's chains, in whole chunks of 32 */
+    (void)dp;
+    (void)pp;   /* (the builds that take neither) */
+#if defined(UR_AVX2)
+    for (int qi = 0; qi < nq; qi++) psplit(qp[qi], d, acc + qi * dp);   /* acc: free until the weighted sum */
+#endif
     unsigned mode = pair_mode_on();
     for (int64_t t0 = 0; t0 < n; t0 += KTILE) {
         const int64_t t1 = t0 + KTILE < n ? t0 + KTILE : n;
@@ -2623,6 +2651,23 @@ static void attend_block_pairs(
 #undef PD
             }
         }
+#elif defined(UR_AVX2)
+        for (int g0 = 0; g0 < nq; g0 += 4) {
+            const int gn = nq - g0 < 4 ? nq - g0 : 4;
+            const float *qs[4];
+            for (int q = 0; q < gn; q++) qs[q] = acc + (g0 + q) * dp;
+            for (int64_t j = t0; j < t1; j++) {
+                float t[4];
+                const uint16_t *k = (const uint16_t *)(kb + sl[j] * slot_bytes);
+                switch (gn) {
+                case 1: pdots_n(1, qs, k, d, scale, t); break;
+                case 2: pdots_n(2, qs, k, d, scale, t); break;
+                case 3: pdots_n(3, qs, k, d, scale, t); break;
+                default: pdots_n(4, qs, k, d, scale, t); break;
+                }
+                for (int q = 0; q < gn; q++) sc[(g0 + q) * widest + j] = t[q];
+            }
+        }
 #else
         for (int qi = 0; qi < nq; qi++)
             for (int64_t j = t0; j < t1; j++)
@@ -2636,7 +2681,7 @@ static void attend_block_pairs(
     mode = pair_mode_on();
 #if defined(UR_BF16DP)
     /* the weights in pairs, key 2t's in the upper half (the instruction's first product) */
-    const int64_t pw = end / 2, dp = (d + 31) / 32 * 32;
+    const int64_t pw = end / 2;
     for (int qi = 0; qi < nq; qi++) {
         const float *w = sc + qi * widest;
         int32_t *o = pp + qi * pw;
