@@ -2165,6 +2165,27 @@ static inline __attribute__((always_inline)) void pvg(
 #define KAHEAD 8   /* keys ahead whose rows are asked for while this one is read (prefetch_row: 1.3-1.6x
                       faster at 8k keys than without, measured on an AVX-512 machine) */
 
+/* A block's keys and queries: rows [r0, r1) x heads h0 .. h0 + hn of KV head kh (G heads a
+   KV head). The keys [lo, lo + n) any of its rows sees (*lo); each query's row, head and
+   span of those keys [qa, qb). Returns n. */
+static int64_t block_queries(const int64_t *first, const int64_t *count, int64_t r0, int64_t r1, int64_t G,
+                             int64_t kh, int64_t h0, int64_t hn, int64_t *lo_, int64_t *qr, int64_t *qh, int64_t *qa,
+                             int64_t *qb) {
+    int64_t lo = first[r0], hi = first[r0] + count[r0];
+    for (int64_t r = r0 + 1; r < r1; r++) {
+        lo = first[r] < lo ? first[r] : lo;
+        hi = first[r] + count[r] > hi ? first[r] + count[r] : hi;
+    }
+    for (int qi = 0; qi < (int)((r1 - r0) * hn); qi++) {
+        qr[qi] = r0 + qi / hn;
+        qh[qi] = kh * G + h0 + qi % hn;
+        qa[qi] = first[qr[qi]] - lo;
+        qb[qi] = qa[qi] + count[qr[qi]];
+    }
+    *lo_ = lo;
+    return hi - lo;
+}
+
 /* The softmax of a block's scores (sc, rows ws apart, keys [0, n)): each query's maximum
    (exact in any order: lanes of partial maxima), its exponentials (elementwise), their
    sum in key order (the queries' sums side by side: independent chains; a key a query
@@ -2294,24 +2315,12 @@ static inline __attribute__((always_inline)) void attend_block(
     int64_t r0, int64_t r1, int64_t kh, int64_t h0, int64_t hn, float *sc, int64_t widest, float *acc, float *pq) {
     const float *q = (const float *)qv;
     const int64_t es = elem_size(dt), slot_bytes = (H / G) * d * es;
-    int64_t lo = first[r0], hi = first[r0] + count[r0];
-    for (int64_t r = r0 + 1; r < r1; r++) {
-        lo = first[r] < lo ? first[r] : lo;
-        hi = first[r] + count[r] > hi ? first[r] + count[r] : hi;
-    }
-    const int64_t n = hi - lo;
-    /* the block's queries: its rows x heads h0 .. h0 + hn of KV head kh */
+    int64_t lo, qa[QBLOCK], qb[QBLOCK], qh[QBLOCK], qr[QBLOCK];
+    const int64_t n = block_queries(first, count, r0, r1, G, kh, h0, hn, &lo, qr, qh, qa, qb);
     const int nq = (int)((r1 - r0) * hn);
     const float *qp[QBLOCK];
-    int64_t qa[QBLOCK], qb[QBLOCK], qh[QBLOCK], qr[QBLOCK];
     float inv[QBLOCK];
-    for (int qi = 0; qi < nq; qi++) {
-        qr[qi] = r0 + qi / hn;
-        qh[qi] = kh * G + h0 + qi % hn;
-        qp[qi] = q + (qr[qi] * H + qh[qi]) * d;
-        qa[qi] = first[qr[qi]] - lo;
-        qb[qi] = qa[qi] + count[qr[qi]];
-    }
+    for (int qi = 0; qi < nq; qi++) qp[qi] = q + (qr[qi] * H + qh[qi]) * d;
     const char *kb = (const char *)kpool + kh * d * es, *vb = (const char *)vpool + kh * d * es;
     const int64_t *sl = slots + lo;
     const int64_t row_bytes = d * es;
@@ -2595,23 +2604,12 @@ static void attend_block_pairs(
     int64_t r0, int64_t r1, int64_t kh, int64_t h0, int64_t hn, float *sc, int64_t widest, float *acc, int32_t *pp,
     int64_t *slp) {
     const int64_t es = 2, slot_bytes = (H / G) * d * es, row_bytes = d * es;
-    int64_t lo = first[r0], hi = first[r0] + count[r0];
-    for (int64_t r = r0 + 1; r < r1; r++) {
-        lo = first[r] < lo ? first[r] : lo;
-        hi = first[r] + count[r] > hi ? first[r] + count[r] : hi;
-    }
-    const int64_t n = hi - lo, end = n + (n & 1);
+    int64_t lo, qa[QBLOCK], qb[QBLOCK], qh[QBLOCK], qr[QBLOCK];
+    const int64_t n = block_queries(first, count, r0, r1, G, kh, h0, hn, &lo, qr, qh, qa, qb), end = n + (n & 1);
     const int nq = (int)((r1 - r0) * hn);
     const uint16_t *qp[QBLOCK];
-    int64_t qa[QBLOCK], qb[QBLOCK], qh[QBLOCK], qr[QBLOCK];
     float inv[QBLOCK];
-    for (int qi = 0; qi < nq; qi++) {
-        qr[qi] = r0 + qi / hn;
-        qh[qi] = kh * G + h0 + qi % hn;
-        qp[qi] = q16 + (qr[qi] * H + qh[qi]) * d;
-        qa[qi] = first[qr[qi]] - lo;
-        qb[qi] = qa[qi] + count[qr[qi]];
-    }
+    for (int qi = 0; qi < nq; qi++) qp[qi] = q16 + (qr[qi] * H + qh[qi]) * d;
     const char *kb = (const char *)kpool + kh * d * es, *vb = (const char *)vpool + kh * d * es;
     const int64_t *sl = slots + lo;
     memcpy(slp, sl, sizeof(int64_t) * (size_t)n);
