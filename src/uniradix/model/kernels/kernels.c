@@ -63,7 +63,8 @@ enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_BF16P = 3 };
 const char *ur_isa(void) { return UR_ISA; }
 /* the arithmetic's version: raised when any kernel's bits change (2: quantized products sum
    each group in integers, one chain of groups; 3: paired bfloat16 panels in VDPBF16PS's
-   order; 4: bfloat16 attention in VDPBF16PS's arithmetic, attend_block_pairs), so stored KV of another never meets this */
+   order; 4: bfloat16 attention in VDPBF16PS's arithmetic, attend_block_pairs), so stored
+   KV of another never meets this */
 int ur_version(void) { return 4; }
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -2785,7 +2786,11 @@ void ur_attention(const void *q, int qdt, int64_t N, int64_t H, int64_t d, const
         float *sc = (float *)malloc(sizeof(float) * nqmax * ws);
         float *acc = (float *)malloc(sizeof(float) * nqmax * ((d + 31) / 32 * 32));
         float *pq = (float *)aligned_alloc(64, (sizeof(float) * (nqmax + 1) * d + 63) / 64 * 64);
+#if defined(UR_BF16DP)   /* the weights in pairs: only VDPBF16PS reads them so */
         int32_t *pp = pairs ? (int32_t *)malloc(sizeof(int32_t) * nqmax * (ws / 2 + 1)) : NULL;
+#else
+        int32_t *pp = NULL;
+#endif
         int64_t *slp = pairs ? (int64_t *)malloc(sizeof(int64_t) * ws) : NULL;
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t bi = 0; bi < nb; bi++) {
