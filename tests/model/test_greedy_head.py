@@ -134,3 +134,16 @@ def test_16_bit_logits_that_round_to_one_value_take_the_first_word(dtype):
     assert sums[2] < sums[20] and sums.to(dtype)[2] == sums.to(dtype)[20]   # in two panels
     assert _full(x, head) == [2]
     assert kernels.GreedyHead(head).argmax(x) == [2]
+
+
+def test_a_last_panels_padding_never_sets_the_bar():
+    """Every logit well below zero and a vocabulary that leaves a last panel part empty:
+    the padding's words (zero codes, bounds about zero) must not count as the best lower
+    bound, which would leave every real word below the bar."""
+    g = torch.Generator().manual_seed(11)
+    W = -(torch.rand(45, 64, generator=g) + 0.5)      # 45 words: the third panel holds 13
+    x = torch.rand(6, 64, generator=g) + 0.5          # every logit about -32
+    head = kernels.PackedWeight(W)
+    gh = kernels.GreedyHead(head)
+    assert gh.argmax(x) == _full(x, head)
+    assert all(c is not None and 0 < len(c) < 45 for c in gh.candidates(x, torch.float32))

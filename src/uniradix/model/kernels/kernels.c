@@ -1434,7 +1434,13 @@ int64_t ur_argmax(const float *x, int64_t n) {
    with another; codes + 128 (dpbusd's unsigned operand). x = t1 q1 + t2 q2 + d, and
    |logit_j - A_j| <= a |e_j| + b |w_j| bounds x.e_j, d against s_j q_j and the head's
    float chain. big: the groups of 4 inputs that hold the outliers (ng of them). */
-typedef struct { float t1, t2, a, b; int ok, ng; int32_t big[GH_BIG]; } gh_row;
+typedef struct {
+    float t1, t2, a, b;
+    int ok, ng;
+    int32_t big[GH_BIG];
+    uint32_t mag[GH_BIG];   /* a group's four |q2| (q2 less its +128), one byte each */
+    uint64_t neg[GH_BIG];   /* their signs, for each of a panel's 16 words: bit 4 c + t */
+} gh_row;
 
 static gh_row gh_quantize(const float *x, int64_t K, int64_t Kp, uint8_t *q1, uint8_t *q2, double gamma) {
     gh_row r;
@@ -1479,7 +1485,16 @@ static gh_row gh_quantize(const float *x, int64_t K, int64_t Kp, uint8_t *q1, ui
         const int32_t g = (int32_t)(top[i] / 4);
         int seen = 0;
         for (int j = 0; j < r.ng; j++) seen |= r.big[j] == g;
-        if (!seen) r.big[r.ng++] = g;
+        if (seen) continue;
+        uint32_t mag = 0, sign = 0;
+        for (int t = 0; t < 4; t++) {
+            const int v = (int)q2[4 * g + t] - 128;
+            mag |= (uint32_t)(v < 0 ? -v : v) << (8 * t);
+            sign |= (uint32_t)(v < 0) << t;
+        }
+        r.mag[r.ng] = mag;
+        r.neg[r.ng] = (uint64_t)sign * 0x1111111111111111ull;
+        r.big[r.ng++] = g;
     }
     free(taken);
     nx = sqrt(nx) * (1.0 + 0x1p-40);
@@ -1493,26 +1508,38 @@ static gh_row gh_quantize(const float *x, int64_t K, int64_t Kp, uint8_t *q1, ui
 }
 
 /* The outliers' integer sums against one panel (their groups only; q2 is 128 elsewhere
-   in them): sum over the groups of (q2 + 128 - 128) w, for 16 words. */
-static inline void gh_big(const gh_row *g, const uint8_t *q2, const int8_t *panel, int32_t *out) {
+   in them): sum over the groups of (q2 - 128) w, for 16 words, as |q2 - 128| against
+   the words negated where q2 - 128 is negative (dpbusd's unsigned operand; the codes
+   are within +-127, so a negation is exact), in two chains (integer sums are exact in
+   any order). */
+static inline void gh_big(const gh_row *g, const int8_t *panel, int32_t *out) {
 #if defined(UR_AVX512) && defined(__AVX512VNNI__)
-    __m512i acc = _mm512_setzero_si512(), off = _mm512_setzero_si512();
-    for (int i = 0; i < g->ng; i++) {
-        const int64_t k = (int64_t)g->big[i] * 4;
-        const __m512i wv = _mm512_loadu_si512(panel + k * NR);
-        int32_t four;
-        memcpy(&four, q2 + k, 4);
-        acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(four), wv);
-        off = _mm512_dpbusd_epi32(off, _mm512_set1_epi32((int32_t)0x80808080u), wv);
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i acc0 = zero, acc1 = zero;
+    int i = 0;
+    for (; i + 2 <= g->ng; i += 2) {
+        const __m512i w0 = _mm512_loadu_si512(panel + (int64_t)g->big[i] * 4 * NR);
+        const __m512i w1 = _mm512_loadu_si512(panel + (int64_t)g->big[i + 1] * 4 * NR);
+        acc0 = _mm512_dpbusd_epi32(acc0, _mm512_set1_epi32((int32_t)g->mag[i]),
+                                   _mm512_mask_sub_epi8(w0, (__mmask64)g->neg[i], zero, w0));
+        acc1 = _mm512_dpbusd_epi32(acc1, _mm512_set1_epi32((int32_t)g->mag[i + 1]),
+                                   _mm512_mask_sub_epi8(w1, (__mmask64)g->neg[i + 1], zero, w1));
     }
-    _mm512_storeu_si512(out, _mm512_sub_epi32(acc, off));
+    if (i < g->ng) {
+        const __m512i w0 = _mm512_loadu_si512(panel + (int64_t)g->big[i] * 4 * NR);
+        acc0 = _mm512_dpbusd_epi32(acc0, _mm512_set1_epi32((int32_t)g->mag[i]),
+                                   _mm512_mask_sub_epi8(w0, (__mmask64)g->neg[i], zero, w0));
+    }
+    _mm512_storeu_si512(out, _mm512_add_epi32(acc0, acc1));
 #else
     for (int c = 0; c < NR; c++) {
         int32_t acc = 0;
         for (int i = 0; i < g->ng; i++) {
-            const int64_t k = (int64_t)g->big[i] * 4;
-            const int8_t *wc = panel + k * NR + c * 4;
-            for (int t = 0; t < 4; t++) acc += (q2[k + t] - 128) * wc[t];
+            const int8_t *wc = panel + (int64_t)g->big[i] * 4 * NR + c * 4;
+            for (int t = 0; t < 4; t++) {
+                const int32_t m = (int32_t)((g->mag[i] >> (8 * t)) & 0xff);
+                acc += (g->neg[i] >> t & 1 ? -m : m) * wc[t];
+            }
         }
         out[c] = acc;
     }
@@ -1554,6 +1581,44 @@ static inline __attribute__((always_inline)) void gh_sums(const int L, const int
     }
 }
 #endif
+
+/* One row's bounds of 16 words from their integer sums (sums: the row's main part,
+   less nothing; big: its outliers'): the upper bounds to ur (-inf past the nw real
+   words) and the lower ones into top, a lane a word (the best so far: a NaN leaves a
+   lane as it was, as a scalar `>` would). Every lane one fixed sequence of float32
+   operations, the same on each path. */
+static inline void gh_bounds(const gh_row *g, const int32_t *sums, const int32_t *big, const int32_t *colsum,
+                             const float *s, const float *e, const float *w, int nw, float *ur, float *top) {
+#if defined(UR_AVX512)
+    const __mmask16 real = (__mmask16)((1u << nw) - 1u);
+    const __m512 sv = _mm512_loadu_ps(s);
+    /* the integer sums less the +128 offsets: exact, and exact in float32 (< 2^24) */
+    const __m512 i1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_loadu_si512(sums),
+                                                          _mm512_slli_epi32(_mm512_loadu_si512(colsum), 7)));
+    const __m512 i2 = _mm512_cvtepi32_ps(_mm512_loadu_si512(big));
+    const __m512 p1 = _mm512_mul_ps(_mm512_mul_ps(sv, _mm512_set1_ps(g->t1)), i1);
+    const __m512 p2 = _mm512_mul_ps(_mm512_mul_ps(sv, _mm512_set1_ps(g->t2)), i2);
+    const __m512 A = _mm512_add_ps(p1, p2);
+    const __m512 R = _mm512_add_ps(
+        _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(g->a), _mm512_loadu_ps(e)),
+                      _mm512_mul_ps(_mm512_set1_ps(g->b), _mm512_loadu_ps(w))),
+        _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(0x1p-15f), _mm512_add_ps(_mm512_abs_ps(p1), _mm512_abs_ps(p2))),
+                      _mm512_set1_ps(1e-30f)));
+    _mm512_storeu_ps(ur, _mm512_mask_blend_ps(real, _mm512_set1_ps(-INFINITY), _mm512_add_ps(A, R)));
+    const __m512 t = _mm512_loadu_ps(top);
+    _mm512_storeu_ps(top, _mm512_mask_max_ps(t, real, _mm512_sub_ps(A, R), t));
+#else
+    for (int c = 0; c < NR; c++) {   /* a vector loop: no branch */
+        const float i1 = (float)(sums[c] - 128 * colsum[c]), i2 = (float)big[c];
+        const float p1 = (s[c] * g->t1) * i1, p2 = (s[c] * g->t2) * i2, A = p1 + p2;
+        const float R = (g->a * e[c] + g->b * w[c]) + (0x1p-15f * (fabsf(p1) + fabsf(p2)) + 1e-30f);
+        ur[c] = A + R;
+        const float lo = A - R;
+        top[c] = c < nw && lo > top[c] ? lo : top[c];
+    }
+    for (int c = nw; c < NR; c++) ur[c] = -INFINITY;   /* a last panel's padding */
+#endif
+}
 
 /* The int8 head from the dense one w [V, K] (dtype dt): per word j a scale s = max|w_j| /
    127, codes round(w_j / s) into panels [P][Kp / 4][16][4] (zeros past V and K), their
@@ -1599,10 +1664,10 @@ void ur_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *q,
     const int64_t P = (V + NR - 1) / NR, Kp = (K + 3) / 4 * 4, VP = P * NR;
     uint8_t *q1 = (uint8_t *)malloc((size_t)(M * Kp)), *q2 = (uint8_t *)malloc((size_t)(M * Kp));
     gh_row *rw = (gh_row *)malloc(sizeof(gh_row) * (size_t)M);
-    float *best = (float *)malloc(sizeof(float) * (size_t)M);
+    float *best = (float *)malloc(sizeof(float) * (size_t)(M * NR));   /* each row's best lower bound, a lane a word */
     for (int64_t m = 0; m < M; m++) {
         rw[m] = gh_quantize(x + m * K, K, Kp, q1 + m * Kp, q2 + m * Kp, gamma);
-        best[m] = -INFINITY;
+        for (int c = 0; c < NR; c++) best[m * NR + c] = -INFINITY;
     }
     for (int64_t p = 0; p < P; p++) {
         const int8_t *panel = q + p * Kp * NR;
@@ -1635,30 +1700,20 @@ void ur_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *q,
             for (int r = 0; r < mr; r++) {
                 const gh_row *g = &rw[m0 + r];
                 float *ur = u + (m0 + r) * VP + p * NR;
-                float top = best[m0 + r];
                 if (!g->ok) { for (int c = 0; c < NR; c++) ur[c] = -INFINITY; continue; }
                 int32_t big[NR];
-                gh_big(g, q2 + (m0 + r) * Kp, panel, big);
-                float lo[NR];
-                for (int c = 0; c < NR; c++) {   /* a vector loop: no branch */
-                    const int64_t j = p * NR + c;
-                    /* the integer sums (less the +128 offsets): exact, and exact in float32 (< 2^24) */
-                    const float i1 = (float)(sums[r][c] - 128 * colsum[j]), i2 = (float)big[c];
-                    const float p1 = (s[j] * g->t1) * i1, p2 = (s[j] * g->t2) * i2, A = p1 + p2;
-                    const float R = (g->a * e[j] + g->b * w[j]) + (0x1p-15f * (fabsf(p1) + fabsf(p2)) + 1e-30f);
-                    ur[c] = A + R;
-                    lo[c] = A - R;
-                }
-                for (int c = 0; c < nw; c++) top = lo[c] > top ? lo[c] : top;
-                for (int c = nw; c < NR; c++) ur[c] = -INFINITY;   /* a last panel's padding */
-                best[m0 + r] = top;
+                gh_big(g, panel, big);
+                gh_bounds(g, sums[r], big, colsum + p * NR, s + p * NR, e + p * NR, w + p * NR, nw, ur,
+                          best + (m0 + r) * NR);
             }
             m0 += mr;
         }
     }
     for (int64_t m = 0; m < M; m++) {
         int64_t n = 0;
-        const double T = best[m];
+        float top = -INFINITY;
+        for (int c = 0; c < NR; c++) top = best[m * NR + c] > top ? best[m * NR + c] : top;
+        const double T = top;
         if (!rw[m].ok || !isfinite(T)) { count[m] = -1; continue; }
         const float bar = (float)(T - (rel * fabs(T) + abs_));
         const float *ur = u + m * VP;
