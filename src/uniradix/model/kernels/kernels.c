@@ -2775,9 +2775,21 @@ static void attend_block_pairs(
         }
     }
     pair_mode_off(mode);
+    /* pv_pairs' two vectors of a group back in column order: [a.q0, b.q0, a.q1, b.q1],
+       [a.q2, b.q2, a.q3, b.q3] (quarters of 4 columns) */
+    const __m512i lo_at = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi_at = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int qi = 0; qi < nq; qi++) {
         float *o = out + (qr[qi] * H + qh[qi]) * d;
-        for (int64_t c = 0; c < d; c++) o[c] = acc[qi * dp + pv_pairs_at(c)] * inv[qi];
+        const float *a = acc + qi * dp;
+        const __m512 iv = _mm512_set1_ps(inv[qi]);
+        int64_t c = 0;
+        for (; c + 32 <= d; c += 32) {
+            const __m512 x = _mm512_loadu_ps(a + c), y = _mm512_loadu_ps(a + c + 16);
+            _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_permutex2var_ps(x, lo_at, y), iv));
+            _mm512_storeu_ps(o + c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(x, hi_at, y), iv));
+        }
+        for (; c < d; c++) o[c] = a[pv_pairs_at(c)] * inv[qi];
     }
 #else
     /* the same chains one key at a time: each weight rounded to bfloat16 */
