@@ -110,6 +110,19 @@ def test_a_request_whose_drafts_fail_pauses_longer_each_time():
     assert d.pause == 0  # good drafts again: the next pause starts short
 
 
+def test_long_drafts_that_fail_late_shorten_and_never_pause():
+    """Whether to draft is the first draft's question: verifies of 16 that keep one or two
+    (an eighth of what they drafted) make the drafts shorter, not a pause."""
+    d = Drafting(PromptLookup(1, 2))
+    for i in range(40):
+        d.judged(16, 1 + i % 2)
+        assert d.wait == 0
+    assert d.length(16) <= 4
+    for _ in range(4):
+        d.judged(2, 0)   # then the first draft fails again and again: a pause
+    assert d.wait >= 1
+
+
 # --------------------------------------------------------------------------- settings
 def test_sglang_and_vllm_forms_and_what_needs_speculation():
     c = EngineConfig.of(speculative_config='{"method": "ngram", "num_speculative_tokens": 3, '

@@ -37,9 +37,11 @@ the one before it was: it drafts while a^d is at least ROW_COST (more in a batch
 each row buys less of the step: `draft_bar`), so a request that keeps what it drafts (a
 file re-emitted, a document quoted) drafts long and one that does not drafts short, at
 most --speculative-num-draft-tokens, the tokens the reply has left and what the free
-handles hold (`_room_for`: the longest half that fits). A request whose
-drafts keep being rejected stops drafting for a while (a pause that doubles each time),
-so plain chat is not slowed by speculation."""
+handles hold (`_room_for`: the longest half that fits). Whether to draft at all is the
+first draft's question (one more row for a token it keeps with some chance: worth it
+above ROW_COST), so a request whose first draft keeps being rejected stops drafting for
+a while (a pause that doubles each time) and plain chat is not slowed by speculation,
+while one whose long drafts fail late drafts shorter instead (the length rule)."""
 from __future__ import annotations
 
 import time
@@ -54,7 +56,8 @@ from .sampling import accept_draft
 
 #: earlier occurrences of the last min-n tokens compared, newest first
 CANDIDATES = 64
-#: below this share of drafts accepted (a moving average), a request pauses drafting
+#: below this share of verifies that keep their first draft (a moving average), a
+#: request pauses drafting
 LOW_ACCEPTANCE = 0.3
 #: the longest pause, in decode steps
 MAX_PAUSE = 64
@@ -128,7 +131,8 @@ class Drafting:
     """A request's speculation: its drafter, the drafts of the step in flight, and how
     well its drafts do: the drafts kept and the verifies that ended at a rejected draft
     (decaying counts, a prior of one each: how long to draft), and a moving average of
-    the share kept with a pause (whether to draft)."""
+    the verifies that kept their first draft, with a pause (whether to draft: a verify
+    of 16 drafts that keeps 2 paid for its first row, though it kept an eighth)."""
 
     __slots__ = ("lookup", "pending", "kept", "lost", "rate", "pause", "wait")
 
@@ -153,12 +157,12 @@ class Drafting:
     def judged(self, drafted: int, accepted: int) -> None:
         self.kept = MEMORY * self.kept + accepted
         self.lost = MEMORY * self.lost + (accepted < drafted)
-        self.rate = 0.7 * self.rate + 0.3 * (accepted / drafted)
+        self.rate = 0.7 * self.rate + 0.3 * (accepted > 0)
         if self.rate < LOW_ACCEPTANCE:
             self.pause = min(MAX_PAUSE, max(1, 2 * self.pause))
             self.wait = self.pause
             self.rate = LOW_ACCEPTANCE  # drafting again after the pause starts from the threshold
-        elif 2 * accepted >= drafted:
+        elif accepted:
             self.pause = 0
 
 
