@@ -1582,8 +1582,8 @@ static inline __attribute__((always_inline)) void gh_sums(const int L, const int
 }
 #endif
 
-/* One row's bounds of 16 words from their integer sums (sums: the row's main part,
-   less nothing; big: its outliers'): the upper bounds to ur (-inf past the nw real
+/* One row's bounds of 16 words from their integer sums (sums: its main part's, codes
+   + 128 against the words; big: its outliers'): the upper bounds to ur (-inf past the nw real
    words) and the lower ones into top, a lane a word (the best so far: a NaN leaves a
    lane as it was, as a scalar `>` would). Every lane one fixed sequence of float32
    operations, the same on each path. */
