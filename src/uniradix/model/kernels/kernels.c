@@ -1431,18 +1431,19 @@ int64_t ur_argmax(const float *x, int64_t n) {
 
 /* One row rounded to int8 in two parts: its GH_BIG largest inputs (by magnitude: the
    outliers that would make one scale coarse for the rest) with one scale, the others
-   with another; codes + 128 (dpbusd's unsigned operand). x = t1 q1 + t2 q2 + d, and
+   with another; q1's codes + 128 (dpbusd's unsigned operand), q2 kept only as the
+   magnitudes and signs of its groups (mag, neg). x = t1 q1 + t2 q2 + d, and
    |logit_j - A_j| <= a |e_j| + b |w_j| bounds x.e_j, d against s_j q_j and the head's
    float chain. big: the groups of 4 inputs that hold the outliers (ng of them). */
 typedef struct {
     float t1, t2, a, b;
     int ok, ng;
     int32_t big[GH_BIG];
-    uint32_t mag[GH_BIG];   /* a group's four |q2| (q2 less its +128), one byte each */
+    uint32_t mag[GH_BIG];   /* a group's four |q2|, one byte each */
     uint64_t neg[GH_BIG];   /* their signs, for each of a panel's 16 words: bit 4 c + t */
 } gh_row;
 
-static gh_row gh_quantize(const float *x, int64_t K, int64_t Kp, uint8_t *q1, uint8_t *q2, double gamma) {
+static gh_row gh_quantize(const float *x, int64_t K, int64_t Kp, uint8_t *q1, double gamma) {
     gh_row r;
     memset(&r, 0, sizeof r);
     double nx = 0.0;
@@ -1453,7 +1454,8 @@ static gh_row gh_quantize(const float *x, int64_t K, int64_t Kp, uint8_t *q1, ui
     /* the outliers: the GH_BIG largest magnitudes, the first of equals first */
     int64_t top[GH_BIG];
     const int nb = K < GH_BIG ? (int)K : GH_BIG;
-    uint8_t *taken = (uint8_t *)calloc((size_t)(Kp > 0 ? Kp : 1), 1);
+    uint8_t *taken = (uint8_t *)calloc((size_t)(Kp > 0 ? 2 * Kp : 1), 1);
+    int8_t *q2 = (int8_t *)(taken + Kp);   /* the outliers' codes (zero elsewhere) */
     for (int i = 0; i < nb; i++) {
         int64_t at = -1;
         for (int64_t k = 0; k < K; k++)
@@ -1475,7 +1477,7 @@ static gh_row gh_quantize(const float *x, int64_t K, int64_t Kp, uint8_t *q1, ui
         v = v > 127 ? 127 : v < -127 ? -127 : v;
         w = w > 127 ? 127 : w < -127 ? -127 : w;
         q1[k] = (uint8_t)(v + 128);
-        q2[k] = (uint8_t)(w + 128);
+        q2[k] = (int8_t)w;
         if (k < K) {
             const double d = (double)x[k] - (double)t1 * v - (double)t2 * w;   /* one of the two is zero */
             nd += d * d;
@@ -1488,7 +1490,7 @@ static gh_row gh_quantize(const float *x, int64_t K, int64_t Kp, uint8_t *q1, ui
         if (seen) continue;
         uint32_t mag = 0, sign = 0;
         for (int t = 0; t < 4; t++) {
-            const int v = (int)q2[4 * g + t] - 128;
+            const int v = q2[4 * g + t];
             mag |= (uint32_t)(v < 0 ? -v : v) << (8 * t);
             sign |= (uint32_t)(v < 0) << t;
         }
@@ -1507,11 +1509,10 @@ static gh_row gh_quantize(const float *x, int64_t K, int64_t Kp, uint8_t *q1, ui
     return r;
 }
 
-/* The outliers' integer sums against one panel (their groups only; q2 is 128 elsewhere
-   in them): sum over the groups of (q2 - 128) w, for 16 words, as |q2 - 128| against
-   the words negated where q2 - 128 is negative (dpbusd's unsigned operand; the codes
-   are within +-127, so a negation is exact), in two chains (integer sums are exact in
-   any order). */
+/* The outliers' integer sums against one panel (their groups only; q2 is zero elsewhere
+   in them): sum over the groups of q2 w, for 16 words, as |q2| against the words
+   negated where q2 is negative (dpbusd's unsigned operand; the codes are within +-127,
+   so a negation is exact), in two chains (integer sums are exact in any order). */
 static inline void gh_big(const gh_row *g, const int8_t *panel, int32_t *out) {
 #if defined(UR_AVX512) && defined(__AVX512VNNI__)
     const __m512i zero = _mm512_setzero_si512();
@@ -1662,11 +1663,11 @@ void ur_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *q,
                           const float *s, const float *e, const float *w, int64_t V, double gamma, double rel,
                           double abs_, float *u, int64_t *cand, int64_t cap, int64_t *count) {
     const int64_t P = (V + NR - 1) / NR, Kp = (K + 3) / 4 * 4, VP = P * NR;
-    uint8_t *q1 = (uint8_t *)malloc((size_t)(M * Kp)), *q2 = (uint8_t *)malloc((size_t)(M * Kp));
+    uint8_t *q1 = (uint8_t *)malloc((size_t)(M * Kp));
     gh_row *rw = (gh_row *)malloc(sizeof(gh_row) * (size_t)M);
     float *best = (float *)malloc(sizeof(float) * (size_t)(M * NR));   /* each row's best lower bound, a lane a word */
     for (int64_t m = 0; m < M; m++) {
-        rw[m] = gh_quantize(x + m * K, K, Kp, q1 + m * Kp, q2 + m * Kp, gamma);
+        rw[m] = gh_quantize(x + m * K, K, Kp, q1 + m * Kp, gamma);
         for (int c = 0; c < NR; c++) best[m * NR + c] = -INFINITY;
     }
     for (int64_t p = 0; p < P; p++) {
@@ -1735,7 +1736,6 @@ void ur_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *q,
         count[m] = n;
     }
     free(q1);
-    free(q2);
     free(rw);
     free(best);
 }
