@@ -155,7 +155,7 @@ def main() -> None:
     p.add_argument("--model-path", default=None)
     p.add_argument("--precisions", default="float32:none,float32:stored")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
-    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--turns", type=int, default=8, help="turns a conversation (default 8: an agent's session runs 8-16)")
     p.add_argument("--conversations", type=int, default=2, help="conversations a workload, one after another")
     p.add_argument("--modes", default=",".join(MODES), help=f"from {', '.join(MODES)} (off always runs)")
     p.add_argument("--output-tokens", type=int, default=96)

@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--servers", default=DEFAULT_SERVERS, help=f"comma list from: {', '.join(peers.SERVERS)}")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=8, help="turns a conversation (default 8: an agent's session runs 8-16)")
     ap.add_argument("--conversations", type=int, default=2)
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--draft-tokens", type=int, default=SpeculativeConfig().speculative_num_draft_tokens,

@@ -340,7 +340,8 @@ class StorageConfig(Settings):
 class SchedulerConfig(Settings):
     """Batching, where the model runs, and how long a request may be."""
 
-    chunked_prefill_size: int = setting(256, "prefill tokens per step", check=count())
+    chunked_prefill_size: int = setting(256, "prefill tokens per step (and, with speculative decoding, the most "
+                                             "draft tokens a step verifies)", check=count())
     max_running_requests: int = setting(16, "requests in a batch", check=count())
     device: str = setting("cpu", "cpu or cuda[:N]", check=text)
     context_length: int | None = setting(
@@ -378,7 +379,8 @@ class SpeculativeConfig(Settings):
     speculative_num_draft_tokens: int = setting(
         16, "draft tokens a request verifies in one step, at most (fewer while its drafts are being rejected: "
             "it drafts while the chance that the next draft is kept pays for its row; fewer where the pools "
-            "lack free room for them; and no more than the reply has left)", check=count(), needs=("spec",))
+            "lack free room for them; no more than the reply has left, nor than its even share of the step's "
+            "--chunked-prefill-size)", check=count(), needs=("spec",))
     speculative_ngram_min_match_window_size: int = setting(
         1, "the fewest of a request's last tokens that must have occurred before for a draft", check=count(),
         needs=("spec",))

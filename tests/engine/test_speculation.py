@@ -368,6 +368,31 @@ def test_drafts_shrink_to_the_room_the_free_handles_have(make_engine):
     assert none["spec_verify_steps"] == 0 and none["spec_no_room"] > 0  # no free slot at all: no drafts
 
 
+def test_a_steps_drafts_share_the_chunk_budget(make_engine):
+    """A step verifies at most --chunked-prefill-size drafts in all, each decoding request
+    at most an even share of what the ones before it left: four requests drafting 8 each
+    would make 32 verify rows a step, a budget of 12 lets each draft 3; the replies and
+    every logits row are still speculation off's."""
+    prompts = [[random.Random(i).randrange(3, 250) for _ in range(3)] for i in range(4)]  # one step's prefill
+    eng = make_engine("tiny-hybrid", page_size=4, speculative_algorithm="NGRAM", speculative_num_draft_tokens=8,
+                      chunked_prefill_size=12)
+    eng._drafts = GreedyDrafter(eng, 8)
+    add, steps = eng._add_drafts, []
+
+    def watched(batch):
+        out = add(batch)
+        steps.append([len(inp.tokens) - 1 for st, inp in out if inp.start >= st.prompt_len])
+        return out
+    eng._add_drafts = watched
+    reqs = [Request(input_ids=p, sampling=SamplingParams(max_new_tokens=24), record_logits=True) for p in prompts]
+    eng.run(reqs)
+    for r in reqs:
+        check_exact(eng, r)
+    assert steps and all(sum(s) <= 12 for s in steps)
+    assert steps[1] == [3, 3, 3, 3]  # four decoding: 12 // 4 each
+    assert eng.counters["spec_accepted_tokens"] > 0
+
+
 def test_sessions_and_aborts_with_speculation(make_engine):
     on = make_engine("tiny-hybrid", page_size=4, **SPEC)
     prompt = [3, 4, 5, 6, 7] * 8

@@ -93,6 +93,7 @@ class Engine(Admission, Batching, Speculation):
         #: drafts accepted at each position of a verify chunk (vLLM's accepted tokens per position)
         self.spec_accepted_at = [0] * (self.spec.speculative_num_draft_tokens if self.spec else 0)
         self.draft_bar = 0.0  # the chance of being kept a draft needs this step (speculation.draft_bar)
+        self.draft_room = 0  # the drafts the request being drafted for may have this step (its share)
         self.holding = 0  # waiting requests held at the last admission for a prefix a running one computes
         self._queued = itertools.count(1)  # the order requests were queued in (in-batch sharing is FIFO)
         self.storage = None

@@ -36,8 +36,9 @@ at a rejected one, both decaying), which makes a the chance that a draft is kept
 the one before it was: it drafts while a^d is at least ROW_COST (more in a batch, where
 each row buys less of the step: `draft_bar`), so a request that keeps what it drafts (a
 file re-emitted, a document quoted) drafts long and one that does not drafts short, at
-most --speculative-num-draft-tokens, the tokens the reply has left and what the free
-handles hold (`_room_for`: the longest half that fits). Whether to draft at all is the
+most --speculative-num-draft-tokens, the tokens the reply has left, its share of the
+step's draft budget (--chunked-prefill-size, split evenly among the decoding requests)
+and what the free handles hold (`_room_for`: the longest half that fits). Whether to draft at all is the
 first draft's question (one more row for a token it keeps with some chance: worth it
 above ROW_COST), so a request whose first draft keeps being rejected stops drafting for
 a while (a pause that doubles each time) and plain chat is not slowed by speculation,
@@ -174,12 +175,19 @@ class Speculation:
         """The step's batch with each decoding request that has drafts turned into a
         verify chunk: its last token and the drafts, logits on every row. Run after every
         other request has its pages for the step, and from free handles only, so that
-        speculation takes nothing the step would otherwise have had."""
+        speculation takes nothing the step would otherwise have had. A step's drafts
+        number at most --chunked-prefill-size, each decoding request drafting at most an
+        even share of what the ones before it left (so a large draft count or batch cannot
+        make a step of thousands of logits rows)."""
         out = []
         self.draft_bar = draft_bar(sum(len(inp.tokens) == 1 for _, inp in batch))
+        decoding = sum(len(inp.tokens) == 1 and inp.start >= st.prompt_len for st, inp in batch)
+        budget = self.chunk  # the step's drafts: at most a prefill chunk's tokens, shared
         for st, inp in batch:
             drafts = []
             if len(inp.tokens) == 1 and inp.start >= st.prompt_len:
+                self.draft_room = budget // decoding  # an even share of what is left
+                decoding -= 1
                 sp = st.spec
                 if sp is None:
                     cfg = self.spec
@@ -187,11 +195,12 @@ class Speculation:
                                                          cfg.speculative_ngram_max_match_window_size))
                 if sp.wait:
                     sp.wait -= 1
-                else:
-                    drafts = self._drafts(st)
+                elif self.draft_room:
+                    drafts = self._drafts(st)[:self.draft_room]
             if drafts:
                 drafts, captures = self._room_for(st, drafts)
                 if drafts:
+                    budget -= len(drafts)
                     st.spec.pending = drafts
                     end = inp.start + 1 + len(drafts)
                     inp = PagedInput(inp.tokens + drafts, inp.start, st.pages, st.state_slot,
@@ -222,7 +231,7 @@ class Speculation:
         room = req.sampling.max_new_tokens - len(req.output_ids) - 1
         if room <= 0:
             return []
-        k = st.spec.length(min(self.spec.speculative_num_draft_tokens, room), self.draft_bar)
+        k = st.spec.length(min(self.spec.speculative_num_draft_tokens, room, self.draft_room), self.draft_bar)
         algo = self.spec.speculative_algorithm
         own = st.spec.lookup.propose(st.tokens, k) if algo != "SUFFIX" else []
         if algo == "NGRAM" or (own and st.spec.lookup.matched >= GRAM):
