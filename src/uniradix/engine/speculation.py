@@ -38,11 +38,12 @@ each row buys less of the step: `draft_bar`), so a request that keeps what it dr
 file re-emitted, a document quoted) drafts long and one that does not drafts short, at
 most --speculative-num-draft-tokens, the tokens the reply has left, its share of the
 step's draft budget (--chunked-prefill-size, split evenly among the decoding requests)
-and what the free handles hold (`_room_for`: the longest half that fits). Whether to draft at all is the
-first draft's question (one more row for a token it keeps with some chance: worth it
-above ROW_COST), so a request whose first draft keeps being rejected stops drafting for
-a while (a pause that doubles each time) and plain chat is not slowed by speculation,
-while one whose long drafts fail late drafts shorter instead (the length rule)."""
+and what the free handles hold (`_room_for`: the longest half that fits). Whether to
+draft at all is the first draft's question (one more row for a token it keeps with some
+chance: worth it above ROW_COST), so a request whose first draft keeps being rejected
+stops drafting for a while (a pause that doubles each time) and plain chat is not
+slowed by speculation, while one whose long drafts fail late drafts shorter instead (the
+length rule)."""
 from __future__ import annotations
 
 import time
