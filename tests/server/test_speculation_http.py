@@ -51,6 +51,29 @@ def test_a_stream_carries_what_a_step_kept_and_openai_completions_work(server, o
     assert last["output_ids"] == oracle(ids + [7], 20)
     s, r, _ = server.post("/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0})
     assert s == 200 and r["usage"]["completion_tokens"] == 12, r
+    # the drafts as OpenAI counts a predicted output's: the same prompt again, so the
+    # cache drafts what the first reply said and the verifies keep it
+    s, again, _ = server.post("/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0})
+    assert s == 200 and again["choices"][0]["text"] == r["choices"][0]["text"]
+    details = again["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] > 0 and details["rejected_prediction_tokens"] >= 0
+
+
+def test_usage_counts_drafts_as_predicted_outputs_only_where_speculation_ran():
+    """usage's completion_tokens_details: the drafts kept and rejected, summed over the
+    choices (meta_info's spec_accepted_tokens, and spec_draft_tokens less them); absent
+    where no verify ran, so a server without speculation answers as before."""
+    from types import SimpleNamespace as NS
+    from uniradix.server.jobs import usage
+
+    def req(out, verifies, drafted, kept):
+        m = NS(prompt_tokens=10, cached_tokens=4, spec_verify_ct=verifies, spec_draft_tokens=drafted,
+               spec_accepted_tokens=kept)
+        return NS(metrics=m, output_ids=[1] * out)
+    u = usage([req(6, 2, 8, 5), req(4, 1, 4, 0)])
+    assert u["completion_tokens"] == 10 and u["prompt_tokens_details"] == {"cached_tokens": 8}
+    assert u["completion_tokens_details"] == {"accepted_prediction_tokens": 5, "rejected_prediction_tokens": 7}
+    assert "completion_tokens_details" not in usage([req(6, 0, 0, 0)])
 
 
 def test_vllms_form_starts_a_speculating_server():

@@ -191,7 +191,15 @@ def openai_finish(req) -> str | None:
 
 
 def usage(reqs) -> dict:
+    """OpenAI's usage; where speculation verified drafts, their fate as OpenAI counts a
+    predicted output's tokens (completion_tokens_details: drafts kept, drafts rejected)."""
     p = sum(r.metrics.prompt_tokens for r in reqs)
     c = sum(len(r.output_ids) for r in reqs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": sum(r.metrics.cached_tokens for r in reqs)}}
+    out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+           "prompt_tokens_details": {"cached_tokens": sum(r.metrics.cached_tokens for r in reqs)}}
+    if any(r.metrics.spec_verify_ct for r in reqs):
+        kept = sum(r.metrics.spec_accepted_tokens for r in reqs)
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": kept,
+            "rejected_prediction_tokens": sum(r.metrics.spec_draft_tokens for r in reqs) - kept}
+    return out
