@@ -30,6 +30,10 @@ def test_replies_are_the_cache_off_engines_and_say_their_drafts(server, oracle):
     assert r["output_ids"] == oracle(ids, 24)
     meta = r["meta_info"]
     assert meta["spec_verify_ct"] > 0 and meta["spec_draft_tokens"] >= meta["spec_accepted_tokens"] >= 0
+    # SGLang's newer names for the same figures
+    kept, drafted, verifies = meta["spec_accepted_tokens"], meta["spec_draft_tokens"], meta["spec_verify_ct"]
+    assert (meta["spec_accept_token_num"], meta["spec_draft_token_num"]) == (kept, drafted)
+    assert meta["spec_accept_rate"] == kept / drafted and meta["spec_accept_length"] == (kept + verifies) / verifies
     # the same prompt again: the reply is cached, and the cache drafts it
     s, again, _ = server.post("/generate", {"input_ids": ids + r["output_ids"][:4],
                                             "sampling_params": {"max_new_tokens": 16, "temperature": 0}})

@@ -26,9 +26,13 @@ def meta_info(job: Job, out: TextOut, done: bool) -> dict:
             "cached_tokens_details": cached_split(req),
             # of the storage tier's, those from objects another instance wrote (not a tier of its own)
             "cached_tokens_cross_instance": m.cross_instance_tokens}
-    if m.spec_verify_ct:  # speculation, as SGLang names it: verify steps, and tokens a step on average
-        info.update(spec_verify_ct=m.spec_verify_ct, spec_draft_tokens=m.spec_draft_tokens,
-                    spec_accepted_tokens=m.spec_accepted_tokens)
+    if m.spec_verify_ct:  # speculation: verify steps, drafts and drafts kept, and SGLang's newer names
+        kept, drafted, verifies = m.spec_accepted_tokens, m.spec_draft_tokens, m.spec_verify_ct
+        info.update(spec_verify_ct=verifies, spec_draft_tokens=drafted, spec_accepted_tokens=kept,
+                    spec_draft_token_num=drafted, spec_accept_token_num=kept,
+                    spec_accept_rate=kept / drafted if drafted else 0.0,
+                    # tokens a verify step yields: its kept drafts and the model's own token after them
+                    spec_accept_length=(kept + verifies) / verifies)
     if done and m.latency is not None:
         info["e2e_latency"] = m.latency
     if job.logprobs:
