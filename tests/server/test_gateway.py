@@ -29,7 +29,10 @@ GEN = {"sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 
 @pytest.fixture(scope="module")
 def workers():
-    ws = [ServerProc("--max-total-tokens", "4096", "--max-running-requests", "8") for _ in range(2)]
+    # the second speculates (its /get_server_info carries SGLang's internal_states, its
+    # meta_info the drafts): the gateway serves both alike, the same greedy replies
+    ws = [ServerProc("--max-total-tokens", "4096", "--max-running-requests", "8", *spec)
+          for spec in ((), ("--speculative-algorithm", "NGRAM"))]
     yield ws
     for w in ws:
         assert w.stop() == 0, "".join(w.lines[-30:])

@@ -45,6 +45,11 @@ def test_replies_are_the_cache_off_engines_and_say_their_drafts(server, oracle):
     assert sum(v for k, v in m.items() if k.startswith("uniradix_spec_decode_num_accepted_tokens_per_pos_total")) \
         == m["uniradix_spec_decode_num_accepted_tokens_total"]
     assert m["uniradix_spec_decode_drafts_cut_total"] == 0  # the pools had room for every draft
+    # the server's tokens a verify step, where SGLang's bench_serving reads its accept length
+    s, info, _ = server.get("/get_server_info")
+    verifies = m["uniradix_spec_decode_num_drafts_total"]
+    assert info["internal_states"] == [{"avg_spec_accept_length": pytest.approx(
+        (m["uniradix_spec_decode_num_accepted_tokens_total"] + verifies) / verifies)}]
 
 
 def test_a_stream_carries_what_a_step_kept_and_openai_completions_work(server, oracle):

@@ -132,6 +132,11 @@ def add_info_routes(app, jobs, engine_settings: dict, version: str) -> None:
                  "model_name": model_name,
                  # this server in its L3 namespace, and the other instances announcing themselves there
                  "l3_instances": None if storage is None else storage.fleet()}
+        if engine.spec is not None:   # SGLang's place for it, where its bench_serving reads it
+            c = engine.counters
+            verifies = c["spec_verify_steps"]
+            shown["internal_states"] = [{"avg_spec_accept_length":
+                                         (c["spec_accepted_tokens"] + verifies) / verifies if verifies else None}]
         return {k: redact_value("", v) for k, v in shown.items()}
 
     @app.get("/get_model_info")
