@@ -40,6 +40,7 @@ import torch
 
 import memory_floor
 from uniradix.config import SpeculativeConfig
+from uniradix.engine.speculation import tokens_a_verify
 from serve_vs_peers import Workload
 
 MODES = {"off": {}, "ngram": {"speculative_algorithm": "NGRAM"}, "suffix": {"speculative_algorithm": "SUFFIX"},
@@ -131,7 +132,7 @@ def serve(engine, conversations: list[list[str]], out_tokens: int) -> dict:
                 decode_ms=1000 * decode_s / max(1, out - turns_n),
                 drafts=c["spec_draft_tokens"], accepted=c["spec_accepted_tokens"], verify_steps=steps,
                 acceptance=c["spec_accepted_tokens"] / c["spec_draft_tokens"] if c["spec_draft_tokens"] else None,
-                tokens_per_verify=(c["spec_accepted_tokens"] + steps) / steps if steps else None)
+                tokens_per_verify=tokens_a_verify(c["spec_accepted_tokens"], steps))
 
 
 def load(path: str, dtype: str, quant: str):

@@ -11,6 +11,7 @@ import os
 import sys
 
 from .engine.flags import add_engine_args, engine_from_args, pools_line, threads_from_args
+from .engine.speculation import tokens_a_verify
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -110,7 +111,7 @@ def _print_engine(engine, a) -> None:
         steps = s["spec_verify_steps"]
         print(f"speculation ({engine.spec.speculative_algorithm}): {s['spec_accepted_tokens']} of "
               f"{s['spec_draft_tokens']} drafts kept in {steps} verify steps"
-              + (f", {(s['spec_accepted_tokens'] + steps) / steps:.2f} tokens a verify step" if steps else ""))
+              + (f", {tokens_a_verify(s['spec_accepted_tokens'], steps):.2f} tokens a verify step" if steps else ""))
     if engine.hierarchical:
         h = s["cache"]["host"]
         full = s["cache"]["components"][first]

@@ -71,6 +71,12 @@ ROW_COST = 0.1
 MEMORY = 0.8
 
 
+def tokens_a_verify(kept: int, verifies: int) -> float | None:
+    """The tokens a verify step yields on average: its kept drafts and the model's own
+    token after them (SGLang's accept length); None before the first verify."""
+    return (kept + verifies) / verifies if verifies else None
+
+
 def draft_bar(rows: int) -> float:
     """The chance of being kept a draft needs, in a step of `rows` one-token rows: its
     row costs ROW_COST of a one-row step, and the step without it yields `rows` tokens in

@@ -13,6 +13,7 @@ from fastapi.responses import PlainTextResponse, Response
 from ..cache.audit import AuditError
 from ..config import finite_number
 from ..engine import Request, SamplingParams
+from ..engine.speculation import tokens_a_verify
 from ..redact import redact_value
 from .errors import error
 from .protocol import BadRequest, Job, session_route, want
@@ -134,9 +135,8 @@ def add_info_routes(app, jobs, engine_settings: dict, version: str) -> None:
                  "l3_instances": None if storage is None else storage.fleet()}
         if engine.spec is not None:   # SGLang's place for it, where its bench_serving reads it
             c = engine.counters
-            verifies = c["spec_verify_steps"]
             shown["internal_states"] = [{"avg_spec_accept_length":
-                                         (c["spec_accepted_tokens"] + verifies) / verifies if verifies else None}]
+                                         tokens_a_verify(c["spec_accepted_tokens"], c["spec_verify_steps"])}]
         return {k: redact_value("", v) for k, v in shown.items()}
 
     @app.get("/get_model_info")

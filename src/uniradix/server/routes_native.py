@@ -9,6 +9,7 @@ import json
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
+from ..engine.speculation import tokens_a_verify
 from .bodies import GenerateRequest, request_body
 from .jobs import Jobs, cached_split, check_outcome, finish_reason, new_id
 from .logprobs import sglang_meta
@@ -31,8 +32,7 @@ def meta_info(job: Job, out: TextOut, done: bool) -> dict:
         info.update(spec_verify_ct=verifies, spec_draft_tokens=drafted, spec_accepted_tokens=kept,
                     spec_draft_token_num=drafted, spec_accept_token_num=kept,
                     spec_accept_rate=kept / drafted if drafted else 0.0,
-                    # tokens a verify step yields: its kept drafts and the model's own token after them
-                    spec_accept_length=(kept + verifies) / verifies)
+                    spec_accept_length=tokens_a_verify(kept, verifies))
     if done and m.latency is not None:
         info["e2e_latency"] = m.latency
     if job.logprobs:
