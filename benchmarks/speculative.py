@@ -81,10 +81,10 @@ def turns(name: str, w: Workload, n: int, c: int = 0) -> list[str]:
         for t in range(1, n):
             if t % 3 == 1:
                 out.append(f"\n```\nTool `list_jobs` returned:\n{tool_json(w, 8, (c, t))}\n"
-                           "The failed jobs as JSON records, one a line:\n{\"id\": ")
+                           "The failed jobs as JSON records, one a line:\n{\"id\":")
             elif t % 3 == 2:
                 out.append("\nTest log:\n" + "\n".join(f"test_{i} ... {'ok' if i % 4 else 'FAIL'}" for i in range(30))
-                           + "\nThe failing tests again, each on its line:\ntest_0 ... ")
+                           + "\nThe failing tests again, each on its line:\ntest_0 ...")
             else:
                 out.append(f"\nFile main.py now:\n```python\n{src}\n```\nTask: rename the first function. "
                            "The whole new main.py:\n```python\nimport json\n")
