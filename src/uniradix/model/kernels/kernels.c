@@ -747,17 +747,13 @@ static inline __m512i qline(const uint8_t *pb, int g, const int bits) {
     return v;
 }
 
-/* s + each lane's four codes u times the four activations at p (one int32, broadcast) */
-static inline __m512i qdot(__m512i s, __m512i u, const int8_t *p, const int bits) {
+/* s + each lane's four codes u times the four activations q4 (one int32, broadcast) */
+static inline __m512i qdot(__m512i s, __m512i u, int32_t q4, const int bits) {
+    __m512i q = _mm512_set1_epi32(q4);
 #if Q8_OFFSET
     (void)bits;
-    int32_t q4;
-    memcpy(&q4, p, 4);
-    return _mm512_dpbusd_epi32(s, u, _mm512_set1_epi32(q4));
+    return _mm512_dpbusd_epi32(s, u, q);
 #else
-    int32_t q4;
-    memcpy(&q4, p, 4);
-    __m512i q = _mm512_set1_epi32(q4);
     if (bits == 8) {  /* |u| times q with u's sign: u q exactly (a pair at most 2 * 128 * 127) */
         q = _mm512_mask_sub_epi8(q, _mm512_movepi8_mask(u), _mm512_setzero_si512(), q);
         u = _mm512_abs_epi8(u);
@@ -787,7 +783,9 @@ static inline __attribute__((always_inline)) void qpanel_bg(
         for (int g = 0; g < 8; g++) {
             const __m512i u = qline(pb, g, bits);
             for (int r = 0; r < mr; r++) {
-                s0[r] = qdot(s0[r], u, q + r * K + b * 32 + g * 4, bits);
+                int32_t q4;
+                memcpy(&q4, q + r * K + b * 32 + g * 4, 4);
+                s0[r] = qdot(s0[r], u, q4, bits);
             }
             if (G == 16 && g == 3) {  /* the block's first group of 16 */
                 for (int r = 0; r < mr; r++) {
