@@ -1432,7 +1432,7 @@ int64_t ur_argmax(const float *x, int64_t n) {
 #define GH_ROWS 8    /* rows a pass over a panel takes */
 #define GH_BIG 8     /* a row's largest inputs, rounded on their own (16: each row's bounds a
                         little tighter, 7.1 candidates a row against 7.6 on Gemma 3 270M's
-                        verify rows, and its outliers' products a fifth of a 17-row call) */
+                        verify rows, and the calls 4% slower: docs/models.md) */
 
 /* One row rounded to int8 in two parts: its GH_BIG largest inputs (by magnitude: the
    outliers that would make one scale coarse for the rest) with one scale, the others
