@@ -2544,6 +2544,90 @@ static inline __attribute__((always_inline)) void pdots_n(
     }
     _mm512_storeu_ps(t, _mm512_mul_ps(tree16x16(acc), _mm512_set1_ps(scale)));
 }
+
+/* Blocks of at least PT_MINQ queries (a verify step's or a prefill chunk's rows times
+   the heads a KV head serves) take their scores with the keys transposed, 16 a vector. */
+#define PT_MINQ 16
+
+/* r[m] lane k <- r[k] lane m, for 16 vectors of 16 int32 (a pair of bfloat16 each) */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* b[4i + e], 128-bit quarter q: element 4q + e of rows 4i .. 4i + 3 */
+    for (int i = 0; i < 4; i++) {
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x88), d0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xDD);
+        const __m512i c1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x88),
+                      d1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xDD);
+        r[e] = _mm512_shuffle_i32x4(c0, c1, 0x88);
+        r[8 + e] = _mm512_shuffle_i32x4(c0, c1, 0xDD);
+        r[4 + e] = _mm512_shuffle_i32x4(d0, d1, 0x88);
+        r[12 + e] = _mm512_shuffle_i32x4(d0, d1, 0xDD);
+    }
+}
+
+/* Q queries' scores against 16 keys transposed (kt: pair p of key k at kt[p * 16 + k]),
+   times the scale, lanes 0 .. kn - 1 into s[q * ws + k]: pdots_n's arithmetic, a lane a
+   key. A query's chain l (pairs 16c + l, c in order) is its own vector of 16 keys; the
+   16 chains are summed by tree16x16's additions, whole vectors at a time (no shuffles),
+   four chains a pass so that each key line serves the Q queries. */
+static inline __attribute__((always_inline)) void pscores_t_n(
+        const int Q, const uint16_t *const *qp, const int32_t *kt, int64_t d, float scale, float *s, int64_t ws,
+        int kn) {
+    __m512 quad[4][4];
+    for (int g = 0; g < 4; g++) {
+        __m512 acc[4][4];
+        for (int q = 0; q < Q; q++)
+            for (int i = 0; i < 4; i++) acc[q][i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < d / 32; c++)
+            for (int i = 0; i < 4; i++) {
+                const int64_t p = 16 * c + 4 * g + i;
+                const __m512i kv = _mm512_load_si512(kt + p * 16);
+                for (int q = 0; q < Q; q++) {
+                    int32_t two;
+                    memcpy(&two, qp[q] + 2 * p, 4);
+                    acc[q][i] = pdp(acc[q][i], _mm512_set1_epi32(two), kv);
+                }
+            }
+        for (int q = 0; q < Q; q++)
+            quad[q][g] = _mm512_add_ps(_mm512_add_ps(acc[q][0], acc[q][1]), _mm512_add_ps(acc[q][2], acc[q][3]));
+    }
+    const __mmask16 m = (__mmask16)((1u << kn) - 1u);
+    for (int q = 0; q < Q; q++) {
+        const __m512 t = _mm512_add_ps(_mm512_add_ps(quad[q][0], quad[q][1]), _mm512_add_ps(quad[q][2], quad[q][3]));
+        _mm512_mask_storeu_ps(s + q * ws, m, _mm512_mul_ps(t, _mm512_set1_ps(scale)));
+    }
+}
+
+/* nq queries' scores against the keys b[0 .. 16) (d a multiple of 32, at most PT_MAXD),
+   the first kn of them kept: the keys transposed once into kt, then four queries at a
+   time. */
+#define PT_MAXD 512
+static void pscores_t(const uint16_t *const *qp, int nq, const char *const *b, int64_t d, float scale, float *s,
+                      int64_t ws, int kn, int32_t *kt) {
+    for (int64_t c = 0; c < d / 32; c++) {
+        __m512i r[16];
+        for (int k = 0; k < 16; k++) r[k] = _mm512_loadu_si512(b[k] + 64 * c);
+        transpose16_epi32(r);
+        for (int m = 0; m < 16; m++) _mm512_store_si512(kt + (16 * c + m) * 16, r[m]);
+    }
+    for (int q0 = 0; q0 < nq; q0 += 4) {
+        switch (nq - q0) {
+        case 1: pscores_t_n(1, qp + q0, kt, d, scale, s + q0 * ws, ws, kn); break;
+        case 2: pscores_t_n(2, qp + q0, kt, d, scale, s + q0 * ws, ws, kn); break;
+        case 3: pscores_t_n(3, qp + q0, kt, d, scale, s + q0 * ws, ws, kn); break;
+        default: pscores_t_n(4, qp + q0, kt, d, scale, s + q0 * ws, ws, kn); break;
+        }
+    }
+}
 #elif defined(UR_AVX2)
 /* A query's elements split once into its pairs' odd and even ones, as float32, 32 a chunk:
    [chunk][lanes 0-7's odd, their even, lanes 8-15's odd, their even] (zeros past d). */
@@ -2685,6 +2769,19 @@ static void attend_block_pairs(
     for (int64_t t0 = 0; t0 < n; t0 += KTILE) {
         const int64_t t1 = t0 + KTILE < n ? t0 + KTILE : n;
 #if defined(UR_AVX512)
+        if (nq >= PT_MINQ && d % 32 == 0 && d <= PT_MAXD) {
+            /* many queries: the keys transposed, 16 at a time, for all of them (the same
+               scores as below: pscores_t_n) */
+            _Alignas(64) int32_t kt[PT_MAXD / 2 * 16];
+            for (int64_t j = t0; j < t1; j += 16) {
+                const char *b[16];
+                for (int k = 0; k < 16; k++) {   /* past the tile: its last key again, the score unused */
+                    b[k] = kb + sl[j + k < t1 ? j + k : t1 - 1] * slot_bytes;
+                    if (j + k < t1 && j + k + KAHEAD < n) prefetch_row(kb + sl[j + k + KAHEAD] * slot_bytes, row_bytes);
+                }
+                pscores_t(qp, nq, b, d, scale, sc + j, widest, (int)(t1 - j < 16 ? t1 - j : 16), kt);
+            }
+        } else
         for (int g0 = 0; g0 < nq; g0 += 4) {
             const int gn = nq - g0 < 4 ? nq - g0 : 4, nk = gn == 1 ? 16 : gn == 2 ? 8 : 4;
             for (int64_t j = t0; j < t1; j += nk) {
