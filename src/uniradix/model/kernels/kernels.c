@@ -2370,6 +2370,96 @@ static inline __attribute__((always_inline)) void pv_block(
    and each query's chains carry on from one tile to the next exactly as they would over
    all its keys at once (an output chain is kept in `acc` between tiles). */
 
+#if defined(UR_AVX512)
+/* Blocks of at least PT_MINQ queries (a verify step's or a prefill chunk's rows times
+   the heads a KV head serves) take their scores with the keys transposed, 16 a vector;
+   a head of at most PT_MAXD elements (the transposed keys' scratch) */
+#define PT_MINQ 16
+#define PT_MAXD 512
+
+/* r[m] lane k <- r[k] lane m, for 16 vectors of 16 int32 (a pair of bfloat16 each) */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 8; i++) {
+        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* b[4i + e], 128-bit quarter q: element 4q + e of rows 4i .. 4i + 3 */
+    for (int i = 0; i < 4; i++) {
+        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x88), d0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xDD);
+        const __m512i c1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x88),
+                      d1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xDD);
+        r[e] = _mm512_shuffle_i32x4(c0, c1, 0x88);
+        r[8 + e] = _mm512_shuffle_i32x4(c0, c1, 0xDD);
+        r[4 + e] = _mm512_shuffle_i32x4(d0, d1, 0x88);
+        r[12 + e] = _mm512_shuffle_i32x4(d0, d1, 0xDD);
+    }
+}
+
+
+/* 16 elements of a key row in dtype dt, as float32 (16-bit ones convert exactly) */
+static inline __m512 load16f(const char *p, int dt) {
+    if (dt == DT_F32) return _mm512_loadu_ps((const float *)p);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* Q float32 queries' scores against 16 keys transposed (kt: element e of key k at
+   kt[e * 16 + k]), times the scale, lanes 0 .. kn - 1 into s[q * ws + k]: dots()'
+   arithmetic, a lane a key. A query's chain l (elements 8c + l, c in order) is its own
+   vector of 16 keys; the 8 chains are summed by lanes_sum's additions, whole vectors at a
+   time, four chains a pass so that each key line serves the Q queries. d a multiple of 8. */
+static inline __attribute__((always_inline)) void scores_t_n(
+        const int Q, const float *const *qp, const float *kt, int64_t d, float scale, float *s, int64_t ws, int kn) {
+    __m512 half[4][2];
+    for (int h = 0; h < 2; h++) {
+        __m512 acc[4][4];
+        for (int q = 0; q < Q; q++)
+            for (int i = 0; i < 4; i++) acc[q][i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < d / 8; c++)
+            for (int i = 0; i < 4; i++) {
+                const int64_t e = 8 * c + 4 * h + i;
+                const __m512 kv = _mm512_load_ps(kt + e * 16);
+                for (int q = 0; q < Q; q++) acc[q][i] = _mm512_fmadd_ps(_mm512_set1_ps(qp[q][e]), kv, acc[q][i]);
+            }
+        for (int q = 0; q < Q; q++)
+            half[q][h] = _mm512_add_ps(_mm512_add_ps(acc[q][0], acc[q][1]), _mm512_add_ps(acc[q][2], acc[q][3]));
+    }
+    const __mmask16 m = (__mmask16)((1u << kn) - 1u);
+    for (int q = 0; q < Q; q++)
+        _mm512_mask_storeu_ps(s + q * ws, m, _mm512_mul_ps(_mm512_add_ps(half[q][0], half[q][1]), _mm512_set1_ps(scale)));
+}
+
+/* nq queries' scores against the keys b[0 .. 16) of dtype dt (d a multiple of 16, at most
+   PT_MAXD), the first kn kept: the keys transposed once into kt, then four queries at a
+   time. */
+static void scores_t(const float *const *qp, int nq, const char *const *b, int dt, int64_t d, float scale, float *s,
+                     int64_t ws, int kn, float *kt) {
+    const int64_t es = elem_size(dt);
+    for (int64_t c = 0; c < d / 16; c++) {
+        __m512i r[16];
+        for (int k = 0; k < 16; k++) r[k] = _mm512_castps_si512(load16f(b[k] + 16 * c * es, dt));
+        transpose16_epi32(r);
+        for (int m = 0; m < 16; m++) _mm512_store_si512(kt + (16 * c + m) * 16, r[m]);
+    }
+    for (int q0 = 0; q0 < nq; q0 += 4) {
+        switch (nq - q0) {
+        case 1: scores_t_n(1, qp + q0, kt, d, scale, s + q0 * ws, ws, kn); break;
+        case 2: scores_t_n(2, qp + q0, kt, d, scale, s + q0 * ws, ws, kn); break;
+        case 3: scores_t_n(3, qp + q0, kt, d, scale, s + q0 * ws, ws, kn); break;
+        default: scores_t_n(4, qp + q0, kt, d, scale, s + q0 * ws, ws, kn); break;
+        }
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void attend_block(
     const void *qv, int64_t H, int64_t d, const void *kpool, const void *vpool, const int dt, int64_t G,
     const int64_t *slots, const int64_t *first, const int64_t *count, float scale, const float *sinks, float *out,
@@ -2387,7 +2477,9 @@ static inline __attribute__((always_inline)) void attend_block(
     const int64_t row_bytes = d * es;
     float tmp[MAXQ];
 #if defined(UR_AVX512)
-    const int paired = dt == DT_F32 && d % 8 == 0;   /* float32 keys: scores from queries packed in pairs */
+    /* many queries: the keys transposed, 16 at a time, for all of them (scores_t_n) */
+    const int transposed = nq >= PT_MINQ && d % 16 == 0 && d <= PT_MAXD;
+    const int paired = !transposed && dt == DT_F32 && d % 8 == 0;   /* float32 keys: queries packed in pairs */
     if (paired)
         for (int qi = 0; qi < nq + (nq & 1); qi++)
             for (int64_t c = 0; c < d / 8; c++)
@@ -2396,6 +2488,20 @@ static inline __attribute__((always_inline)) void attend_block(
 #endif
     for (int64_t t0 = 0; t0 < n; t0 += KTILE) {
         const int64_t t1 = t0 + KTILE < n ? t0 + KTILE : n;
+#if defined(UR_AVX512)
+        if (transposed) {
+            _Alignas(64) float kt[PT_MAXD * 16];
+            for (int64_t j = t0; j < t1; j += 16) {
+                const char *b[16];
+                for (int k = 0; k < 16; k++) {   /* past the tile: its last key again, the score unused */
+                    b[k] = kb + sl[j + k < t1 ? j + k : t1 - 1] * slot_bytes;
+                    if (j + k < t1 && j + k + KAHEAD < n) prefetch_row(kb + sl[j + k + KAHEAD] * slot_bytes, row_bytes);
+                }
+                scores_t(qp, nq, b, dt, d, scale, sc + j, widest, (int)(t1 - j < 16 ? t1 - j : 16), kt);
+            }
+            continue;
+        }
+#endif
         for (int g0 = 0; g0 < nq; g0 += MAXQ) {
             const int gn = nq - g0 < MAXQ ? nq - g0 : MAXQ;
             int64_t j = t0;
@@ -2545,35 +2651,6 @@ static inline __attribute__((always_inline)) void pdots_n(
     _mm512_storeu_ps(t, _mm512_mul_ps(tree16x16(acc), _mm512_set1_ps(scale)));
 }
 
-/* Blocks of at least PT_MINQ queries (a verify step's or a prefill chunk's rows times
-   the heads a KV head serves) take their scores with the keys transposed, 16 a vector. */
-#define PT_MINQ 16
-
-/* r[m] lane k <- r[k] lane m, for 16 vectors of 16 int32 (a pair of bfloat16 each) */
-static inline void transpose16_epi32(__m512i r[16]) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 8; i++) {
-        a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    /* b[4i + e], 128-bit quarter q: element 4q + e of rows 4i .. 4i + 3 */
-    for (int i = 0; i < 4; i++) {
-        b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-        b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-        b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-    }
-    for (int e = 0; e < 4; e++) {
-        const __m512i c0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0x88), d0 = _mm512_shuffle_i32x4(b[e], b[4 + e], 0xDD);
-        const __m512i c1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0x88),
-                      d1 = _mm512_shuffle_i32x4(b[8 + e], b[12 + e], 0xDD);
-        r[e] = _mm512_shuffle_i32x4(c0, c1, 0x88);
-        r[8 + e] = _mm512_shuffle_i32x4(c0, c1, 0xDD);
-        r[4 + e] = _mm512_shuffle_i32x4(d0, d1, 0x88);
-        r[12 + e] = _mm512_shuffle_i32x4(d0, d1, 0xDD);
-    }
-}
-
 /* Q queries' scores against 16 keys transposed (kt: pair p of key k at kt[p * 16 + k]),
    times the scale, lanes 0 .. kn - 1 into s[q * ws + k]: pdots_n's arithmetic, a lane a
    key. A query's chain l (pairs 16c + l, c in order) is its own vector of 16 keys; the
@@ -2610,7 +2687,6 @@ static inline __attribute__((always_inline)) void pscores_t_n(
 /* nq queries' scores against the keys b[0 .. 16) (d a multiple of 32, at most PT_MAXD),
    the first kn of them kept: the keys transposed once into kt, then four queries at a
    time. */
-#define PT_MAXD 512
 static void pscores_t(const uint16_t *const *qp, int nq, const char *const *b, int64_t d, float scale, float *s,
                       int64_t ws, int kn, int32_t *kt) {
     for (int64_t c = 0; c < d / 32; c++) {
