@@ -133,6 +133,27 @@ def test_an_elementwise_value_does_not_depend_on_the_call(op):
         assert torch.equal(kernels.elementwise(op, apart, param), kernels.elementwise(op, apart.contiguous(), param))
 
 
+@pytest.mark.parametrize("op", list(kernels.OPS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_gated_product_is_the_bits_of_its_two_ops(op, dtype):
+    """act_mul(op, g, u): elementwise(op, g) * u in one call, the same bits, for g and u
+    contiguous and as the two halves of one fused product's rows (rows apart), across the
+    call's blocks of 4096; other dtypes and layouts are left to the caller (None)."""
+    torch.manual_seed(6)
+    param = 20.0 if op == "softplus" else 0.0
+    for rows, n in ((1, 7), (3, 640), (5, 4100)):
+        both = (torch.randn(rows, 2 * n) * 4).to(dtype)
+        g, u = both[:, :n], both[:, n:]                       # strided rows: the fused gate-and-up's halves
+        for a, b in ((g, u), (g.contiguous(), u.contiguous()), (g.contiguous(), u)):
+            got = kernels.act_mul(op, a, b, param)
+            assert got is not None and got.dtype == dtype and got.is_contiguous()
+            assert torch.equal(got, kernels.elementwise(op, a.contiguous(), param) * b), (rows, n)
+    x = torch.randn(4, 8)
+    assert kernels.act_mul(op, x.half(), x.half()) is None                 # float16: the two ops
+    assert kernels.act_mul(op, x, x.bfloat16()) is None                    # mixed dtypes
+    assert kernels.act_mul(op, x.t(), x.t()) is None                       # a row's elements apart
+
+
 def test_elementwise_edges():
     x = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.0, 89.0, -87.0, -88.0, -200.0, 200.0, float("inf"),
                       float("-inf"), float("nan"), 20.0, 20.5, 1e-8])

@@ -15,7 +15,7 @@ import torch
 
 from .config_forms import FULL, SLIDING, ConfigError, every_nth, rope_dict, rope_setup
 from .family import HFModel
-from .ops import gelu_tanh, linear, paged_attention, rms_norm, tanh
+from .ops import gated, linear, paged_attention, rms_norm, tanh
 
 #: Gemma3TextConfig's defaults (transformers 5.24) for the keys read here
 TEXT_DEFAULTS = {
@@ -112,7 +112,7 @@ class Gemma3(HFModel):
         x = rms_norm(a, w(p + "post_attention_layernorm.weight"), self.eps, 1.0, residual=x)
         h = rms_norm(x, w(p + "pre_feedforward_layernorm.weight"), self.eps, 1.0, dtype=self.dtype)
         g, u = self.projections(h, p + "mlp.gate_proj", p + "mlp.up_proj")
-        m = linear(gelu_tanh(g) * u, w(p + "mlp.down_proj.weight"))
+        m = linear(gated("gelu_tanh", g, u), w(p + "mlp.down_proj.weight"))
         return rms_norm(m, w(p + "post_feedforward_layernorm.weight"), self.eps, 1.0, residual=x)
 
     def _proj(self, h, name):

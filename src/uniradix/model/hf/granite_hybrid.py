@@ -24,7 +24,7 @@ from ...specs import RecurrentShape
 from .config_forms import FULL, LINEAR, ConfigError, layer_count
 from .family import RECURRENT, HFModel
 from .. import kernels
-from .ops import causal_conv, exp, linear, paged_attention, rms_norm_llama, run_recurrent, silu, softplus
+from .ops import causal_conv, exp, gated, linear, paged_attention, rms_norm_llama, run_recurrent, silu, softplus
 
 
 def config_float(v, default: float | None = None) -> float | None:
@@ -241,7 +241,7 @@ class GraniteHybrid(HFModel):
 
     def shared_mlp(self, p, h):
         gate, up = linear(h, self.w(p + "input_linear.weight")).chunk(2, dim=-1)
-        return linear(silu(gate) * up, self.w(p + "output_linear.weight"))
+        return linear(gated("silu", gate, up), self.w(p + "output_linear.weight"))
 
     def moe(self, p, h):
         """Top-k of the router's logits, softmax over those k, SwiGLU experts."""
@@ -261,7 +261,7 @@ class GraniteHybrid(HFModel):
         for e in idx.unique().tolist():
             rows, slot = torch.where(idx == e)
             gate, up = linear(h[rows], gate_up[e]).chunk(2, dim=-1)
-            y = linear(silu(gate) * up, down[e]) * weights[rows, slot, None]
+            y = linear(gated("silu", gate, up), down[e]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
 

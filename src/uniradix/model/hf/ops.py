@@ -98,6 +98,20 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return kernels.elementwise("gelu_tanh", x) if _kernel(x) else F.gelu(x, approximate="tanh")
 
 
+_GATES = {"silu": silu, "gelu_tanh": gelu_tanh}
+
+
+def gated(act: str, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """act(g) * u, a gated unit's product (SwiGLU: silu, GeGLU: gelu_tanh): one kernel call
+    where g and u share a dtype and their rows' elements lie side by side (kernels.act_mul:
+    the same bits as the two ops), else the two ops."""
+    if _kernel(g):
+        y = kernels.act_mul(act, g, u)
+        if y is not None:
+            return y
+    return _GATES[act](g) * u
+
+
 def tanh(x: torch.Tensor) -> torch.Tensor:
     return kernels.elementwise("tanh", x) if _kernel(x) else torch.tanh(x)
 

@@ -10,7 +10,7 @@ import torch
 
 from .config_forms import FULL, SLIDING, ConfigError, layer_count
 from .family import HFModel
-from .ops import linear, paged_attention, rms_norm_llama, silu
+from .ops import gated, linear, paged_attention, rms_norm_llama
 
 #: Qwen3Config's defaults (transformers 5.24) for the keys read here
 DEFAULTS = {
@@ -67,7 +67,7 @@ class Qwen3(HFModel):
         x = x + self._linear(a.reshape(N, -1), p + "self_attn.o_proj")
         h = rms_norm_llama(x, w(p + "post_attention_layernorm.weight"), self.eps, dtype=self.dtype)
         g, u = self.projections(h, p + "mlp.gate_proj", p + "mlp.up_proj")
-        g = silu(g) * u
+        g = gated("silu", g, u)
         return x + linear(g, w(p + "mlp.down_proj.weight"))
 
     def final_norm(self, x):

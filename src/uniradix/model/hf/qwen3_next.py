@@ -32,7 +32,7 @@ from ...specs import RecurrentShape
 from .config_forms import FULL, LINEAR, ConfigError, every_nth
 from .family import RECURRENT, HFModel
 from .. import kernels
-from .ops import causal_conv, exp, linear, paged_attention, rms_norm, run_recurrent, sigmoid, silu, softplus
+from .ops import causal_conv, exp, gated, linear, paged_attention, rms_norm, run_recurrent, sigmoid, silu, softplus
 
 _COMMON = {"hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 256,
            "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
@@ -240,7 +240,7 @@ class Qwen3Next(HFModel):
     # ------------------------------------------------------------------ MLP and MoE
     def _mlp(self, p, h):
         g, u = self.projections(h, p + "gate_proj", p + "up_proj")
-        return self._linear(p + "down_proj", silu(g) * u)
+        return self._linear(p + "down_proj", gated("silu", g, u))
 
     def _moe(self, p, h):
         logits = linear(h, self.w(p + "gate.weight"))
@@ -256,7 +256,7 @@ class Qwen3Next(HFModel):
         for e in idx.unique().tolist():
             tok, slot = torch.where(idx == e)
             gate, up = linear(h[tok], gate_up[e]).chunk(2, dim=-1)
-            ye = linear(silu(gate) * up, down[e])
+            ye = linear(gated("silu", gate, up), down[e])
             out.index_add_(0, tok, (ye * top[tok, slot, None]).to(out.dtype))
         if self.has(p + "shared_expert.gate_proj.weight"):
             shared = self._mlp(p + "shared_expert.", h)

@@ -38,6 +38,7 @@ _i64, _f32, _int, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_vo
 _SIGNATURES = {
     "ur_linear_io": [_p, _int, _i64, _i64, _i64, _p, _int, _i64, _p, _p, _int, _i64, _int],
     "ur_elementwise_io": [_int, _p, _int, _p, _int, _i64, _f32, _int],
+    "ur_act_mul": [_int, _p, _i64, _p, _i64, _int, _p, _i64, _i64, _f32, _int],
     "ur_attention": [_p, _int, _i64, _i64, _i64, _p, _p, _int, _i64, _p, _p, _p, _f32, _p, _p, _int],
     "ur_delta_rule": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
     "ur_ssm_scan": [_p, _p, _p, _p, _p, _p, _p, _i64, _i64, _i64, _i64, _i64, _int],
@@ -514,6 +515,24 @@ def elementwise(op: str, x: torch.Tensor, param: float = 0.0) -> torch.Tensor:
     return y if dtype is out else y.to(dtype)
 
 
+def act_mul(op: str, g: torch.Tensor, u: torch.Tensor, param: float = 0.0) -> torch.Tensor | None:
+    """elementwise(op, g) * u in one call, the same bits (g's activation rounded to the
+    dtype, then the product rounded): g and u of one shape [..., n] and one dtype (float32
+    or bfloat16), each element of a row adjacent (rows may lie apart: the two halves of a
+    fused gate-and-up product). None where they are not so (the caller composes the two)."""
+    n = g.shape[-1] if g.dim() else 0
+    if (g.dtype not in (torch.float32, torch.bfloat16) or u.dtype is not g.dtype or u.shape != g.shape or g.dim() < 1
+            or n == 0 or g.device.type != "cpu" or u.device.type != "cpu"):
+        return None
+    g2, u2 = g.reshape(-1, n) if g.is_contiguous() else g, u.reshape(-1, n) if u.is_contiguous() else u
+    if g2.dim() != 2 or u2.dim() != 2 or g2.stride(1) != 1 or u2.stride(1) != 1:
+        return None
+    y = torch.empty(g.shape, dtype=g.dtype)
+    lib().ur_act_mul(OPS[op], g2.data_ptr(), g2.stride(0), u2.data_ptr(), u2.stride(0), _DTYPES[g.dtype], y.data_ptr(),
+                     g2.shape[0], n, float(param), torch.get_num_threads())
+    return y
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None, eps: float, dtype: torch.dtype = torch.float32,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) * w over the last dimension, in float32 (w float32 or
@@ -720,5 +739,5 @@ def ssm_scan(x, dt, A, Bm, C, state) -> tuple[torch.Tensor, torch.Tensor]:
     return y, S
 
 
-__all__ = ["NR", "OPS", "BlockTable", "GreedyHead", "fuse", "isa", "off", "PackedWeight", "PackedExperts", "PackedQuant", "linear_q", "rms_norm", "rope", "argmax", "available", "describe", "linear", "elementwise", "attention", "delta_rule",
+__all__ = ["NR", "OPS", "BlockTable", "GreedyHead", "fuse", "isa", "off", "PackedWeight", "PackedExperts", "PackedQuant", "linear_q", "rms_norm", "rope", "argmax", "available", "describe", "linear", "elementwise", "act_mul", "attention", "delta_rule",
            "ssm_scan", "lib"]

@@ -1988,6 +1988,37 @@ void ur_elementwise_io(int op, const void *x, int xdt, void *y, int ydt, int64_t
     }
 }
 
+/* A gated unit's product, y = f(g) * u, over `rows` rows of n (g and u rows ldg and ldu
+   elements apart, y contiguous), all three in dtype dt (float32 or bfloat16): f(g) as
+   ur_elementwise_io computes it (rounded to dt), times u, the product rounded to dt; the
+   bits of the two calls torch makes of it (the activation, then the multiply: a product
+   of two bfloat16 values is exact in float32, so its one rounding is the multiply's),
+   in one pass where they took two and a copy of a strided g. */
+void ur_act_mul(int op, const void *g, int64_t ldg, const void *u, int64_t ldu, int dt, void *y, int64_t rows,
+                int64_t n, float param, int nt) {
+    const int64_t block = 4096;
+    const int64_t per = (n + block - 1) / block, blocks = rows * per;
+    const size_t es = (size_t)elem_size(dt);
+#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1 && blocks > 4)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t r = b / per, lo = (b % per) * block, m = lo + block < n ? block : n - lo;
+        float f[4096], v[4096];
+        to_f32((const char *)g + (r * ldg + lo) * es, dt, f, m);
+        ur_elementwise(op, f, f, m, param, 1);
+        to_f32((const char *)u + (r * ldu + lo) * es, dt, v, m);
+        if (dt == DT_BF16) {
+            uint16_t h[4096];
+            rows_to_bf16(f, 0, h, 0, 1, m);   /* f(g) rounded, as the activation's output is */
+            to_f32(h, DT_BF16, f, m);
+            for (int64_t i = 0; i < m; i++) f[i] = f[i] * v[i];
+            rows_to_bf16(f, 0, (uint16_t *)y + r * n + lo, 0, 1, m);
+        } else {
+            float *yo = (float *)y + r * n + lo;
+            for (int64_t i = 0; i < m; i++) yo[i] = f[i] * v[i];
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------ attention */
 
 /* Eight floats of a row in dtype dt as a vector (lane l: element l). */
