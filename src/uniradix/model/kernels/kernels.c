@@ -2434,12 +2434,32 @@ static inline void transpose16_epi32(__m512i r[16]) {
 }
 
 
-/* 16 elements of a key row in dtype dt, as float32 (16-bit ones convert exactly) */
-static inline __m512 load16f(const char *p, int dt) {
-    if (dt == DT_F32) return _mm512_loadu_ps((const float *)p);
+/* 16 elements of a key row in dtype dt, as float32 (16-bit ones convert exactly);
+   DT_F32 also reads 16 bfloat16 pairs as they lie (64 bytes, no conversion) */
+static inline __m512i load16(const char *p, int dt) {
+    if (dt == DT_F32) return _mm512_loadu_si512(p);
     const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    if (dt == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
+    if (dt == DT_BF16) return _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+    return _mm512_castps_si512(_mm512_cvtph_ps(h));
+}
+
+/* The key tile [j, j + 16) of a block's keys (slots sl, rows slot_bytes apart from kb):
+   their rows into b (past the tile's end t1 its last key again, a score not kept),
+   asking for the rows KAHEAD keys on (n keys in all); then their `chunks` runs of 16
+   elements (of dtype dt, `chunk` bytes each) transposed into kt, 16 keys a line. */
+static void keys_t(const char *kb, const int64_t *sl, int64_t j, int64_t t1, int64_t n, int64_t slot_bytes,
+                   int64_t row_bytes, int dt, int64_t chunks, int64_t chunk, void *kt) {
+    const char *b[16];
+    for (int k = 0; k < 16; k++) {
+        b[k] = kb + sl[j + k < t1 ? j + k : t1 - 1] * slot_bytes;
+        if (j + k < t1 && j + k + KAHEAD < n) prefetch_row(kb + sl[j + k + KAHEAD] * slot_bytes, row_bytes);
+    }
+    for (int64_t c = 0; c < chunks; c++) {
+        __m512i r[16];
+        for (int k = 0; k < 16; k++) r[k] = load16(b[k] + c * chunk, dt);
+        transpose16_epi32(r);
+        for (int m = 0; m < 16; m++) _mm512_store_si512((int32_t *)kt + (16 * c + m) * 16, r[m]);
+    }
 }
 
 /* Q float32 queries' scores against 16 keys transposed (kt: element e of key k at
@@ -2468,18 +2488,10 @@ static inline __attribute__((always_inline)) void scores_t_n(
         _mm512_mask_storeu_ps(s + q * ws, m, _mm512_mul_ps(_mm512_add_ps(half[q][0], half[q][1]), _mm512_set1_ps(scale)));
 }
 
-/* nq queries' scores against the keys b[0 .. 16) of dtype dt (d a multiple of 16, at most
-   PT_MAXD), the first kn kept: the keys transposed once into kt, then four queries at a
-   time. */
-static void scores_t(const float *const *qp, int nq, const char *const *b, int dt, int64_t d, float scale, float *s,
-                     int64_t ws, int kn, float *kt) {
-    const int64_t es = elem_size(dt);
-    for (int64_t c = 0; c < d / 16; c++) {
-        __m512i r[16];
-        for (int k = 0; k < 16; k++) r[k] = _mm512_castps_si512(load16f(b[k] + 16 * c * es, dt));
-        transpose16_epi32(r);
-        for (int m = 0; m < 16; m++) _mm512_store_si512(kt + (16 * c + m) * 16, r[m]);
-    }
+/* nq queries' scores against 16 keys transposed (keys_t), the first kn kept, four
+   queries at a time */
+static void scores_t(const float *const *qp, int nq, const float *kt, int64_t d, float scale, float *s, int64_t ws,
+                     int kn) {
     for (int q0 = 0; q0 < nq; q0 += 4) {
         switch (nq - q0) {
         case 1: scores_t_n(1, qp + q0, kt, d, scale, s + q0 * ws, ws, kn); break;
@@ -2523,12 +2535,8 @@ static inline __attribute__((always_inline)) void attend_block(
         if (transposed) {
             _Alignas(64) float kt[PT_MAXD * 16];
             for (int64_t j = t0; j < t1; j += 16) {
-                const char *b[16];
-                for (int k = 0; k < 16; k++) {   /* past the tile: its last key again, the score unused */
-                    b[k] = kb + sl[j + k < t1 ? j + k : t1 - 1] * slot_bytes;
-                    if (j + k < t1 && j + k + KAHEAD < n) prefetch_row(kb + sl[j + k + KAHEAD] * slot_bytes, row_bytes);
-                }
-                scores_t(qp, nq, b, dt, d, scale, sc + j, widest, (int)(t1 - j < 16 ? t1 - j : 16), kt);
+                keys_t(kb, sl, j, t1, n, slot_bytes, row_bytes, dt, d / 16, 16 * es, kt);
+                scores_t(qp, nq, kt, d, scale, sc + j, widest, (int)(t1 - j < 16 ? t1 - j : 16));
             }
             continue;
         }
@@ -2715,17 +2723,10 @@ static inline __attribute__((always_inline)) void pscores_t_n(
     }
 }
 
-/* nq queries' scores against the keys b[0 .. 16) (d a multiple of 32, at most PT_MAXD),
-   the first kn of them kept: the keys transposed once into kt, then four queries at a
-   time. */
-static void pscores_t(const uint16_t *const *qp, int nq, const char *const *b, int64_t d, float scale, float *s,
-                      int64_t ws, int kn, int32_t *kt) {
-    for (int64_t c = 0; c < d / 32; c++) {
-        __m512i r[16];
-        for (int k = 0; k < 16; k++) r[k] = _mm512_loadu_si512(b[k] + 64 * c);
-        transpose16_epi32(r);
-        for (int m = 0; m < 16; m++) _mm512_store_si512(kt + (16 * c + m) * 16, r[m]);
-    }
+/* nq queries' scores against 16 keys' pairs transposed (keys_t), the first kn kept, four
+   queries at a time */
+static void pscores_t(const uint16_t *const *qp, int nq, const int32_t *kt, int64_t d, float scale, float *s,
+                      int64_t ws, int kn) {
     for (int q0 = 0; q0 < nq; q0 += 4) {
         switch (nq - q0) {
         case 1: pscores_t_n(1, qp + q0, kt, d, scale, s + q0 * ws, ws, kn); break;
@@ -2880,13 +2881,9 @@ static void attend_block_pairs(
             /* many queries: the keys transposed, 16 at a time, for all of them (the same
                scores as below: pscores_t_n) */
             _Alignas(64) int32_t kt[PT_MAXD / 2 * 16];
-            for (int64_t j = t0; j < t1; j += 16) {
-                const char *b[16];
-                for (int k = 0; k < 16; k++) {   /* past the tile: its last key again, the score unused */
-                    b[k] = kb + sl[j + k < t1 ? j + k : t1 - 1] * slot_bytes;
-                    if (j + k < t1 && j + k + KAHEAD < n) prefetch_row(kb + sl[j + k + KAHEAD] * slot_bytes, row_bytes);
-                }
-                pscores_t(qp, nq, b, d, scale, sc + j, widest, (int)(t1 - j < 16 ? t1 - j : 16), kt);
+            for (int64_t j = t0; j < t1; j += 16) {   /* the pairs as they lie: 64 bytes, 16 pairs a run */
+                keys_t(kb, sl, j, t1, n, slot_bytes, row_bytes, DT_F32, d / 32, 64, kt);
+                pscores_t(qp, nq, kt, d, scale, sc + j, widest, (int)(t1 - j < 16 ? t1 - j : 16));
             }
         } else
         for (int g0 = 0; g0 < nq; g0 += 4) {
