@@ -147,3 +147,28 @@ def test_a_last_panels_padding_never_sets_the_bar():
     gh = kernels.GreedyHead(head)
     assert gh.argmax(x) == _full(x, head)
     assert all(c is not None and 0 < len(c) < 45 for c in gh.candidates(x, torch.float32))
+
+
+def test_words_kept_on_the_way_give_the_candidates_of_the_final_bar():
+    """Logits that rise word after word: every word passes the bar of the best lower bound
+    seen before it, so the pass keeps more words than its room (4 cap + 4096) and must drop
+    those a later bar rules out as it goes, keeping the ones it cannot (word 100: an
+    outlier weight on an input the row does not read makes its bound wide, so it stays a
+    candidate to the end). The candidates are then exactly those of a pass with room for
+    every word: word 100 and the six tied best words at the end, none of the rest."""
+    g = torch.Generator().manual_seed(5)
+    V, K = 20003, 64
+    u = torch.randn(K, generator=g)
+    u[3] = 0
+    W = (1 + torch.arange(V, dtype=torch.float32) / V)[:, None] * u   # logits x.u (1 + j / V): rising
+    W[100] = 2.2 * u
+    W[100, 3] = 1000.0                                                # its int8 copy coarse: a wide bound
+    W[V - 6:] = 2.5 * u                                               # the best, six equal words
+    x = u[None, :].clone()
+    head = kernels.PackedWeight(W)
+    small, roomy = kernels.GreedyHead(head, cap=8), kernels.GreedyHead(head, cap=8192)
+    assert 4 * small.cap + 4096 < V < 4 * roomy.cap + 4096
+    kept = small.candidates(x, torch.float32)[0]
+    assert kept is not None and torch.equal(kept, roomy.candidates(x, torch.float32)[0])
+    assert kept.tolist() == [100] + list(range(V - 6, V))
+    assert small.argmax(x) == _full(x, head) == [V - 6]

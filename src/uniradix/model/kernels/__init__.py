@@ -593,7 +593,9 @@ class GreedyHead:
     an int8 copy of the head (a scale a word) and each row rounded to int8 in two parts bound
     every logit (kernels.c, ur_greedy_candidates: the roundings' errors by their norms,
     the head's own float chain by its worst case), and the words whose upper bound reaches
-    the best lower bound are computed exactly, by the head's own product on their panels.
+    the best lower bound are computed exactly, by the head's own product on their panels
+    (the pass keeps only the words that reach the best lower bound seen so far: no bound
+    is stored for every word).
     `finish` (the family's scaling of the logits) must be non-decreasing in each logit;
     16-bit logits may tie after their rounding, so the bar is lowered by four of their
     units, and the first of equal values wins, as torch.argmax. A row whose bound leaves
@@ -621,9 +623,10 @@ class GreedyHead:
         """Each row's candidate words (ascending), or None where the full head must run."""
         M = x.shape[0]
         x = x.float().contiguous()
-        P = -(-self.V // NR)
-        if self._scratch.numel() < M * P * NR:
-            self._scratch = torch.empty(M * P * NR, dtype=torch.float32)
+        # the words each row keeps on the way (4 cap + 4096 of them, and their upper bounds)
+        need = M * 2 * (4 * self.cap + 4096)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
         # the slack for logits that tie after their rounding (and a monotone finish's own)
         rel, ab = (2.0 ** -18, 2.0 ** -60) if out_dtype is torch.float32 else (2.0 ** -5, 2.0 ** -10)
         cand = torch.empty(M, self.cap, dtype=torch.int64)

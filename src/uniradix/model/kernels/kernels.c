@@ -30,6 +30,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 
@@ -1658,22 +1659,53 @@ void ur_greedy_build(const void *w, int dt, int64_t V, int64_t K, int8_t *q, int
     }
 }
 
+/* A row's filter bar from its best lower bound so far, T: the words an upper bound of
+   which is below it cannot be candidates. Monotone in T, so a bar from a lower bound of
+   the row's final T is at most the final bar. */
+static inline float gh_bar(double T, double rel, double abs_) { return (float)(T - (rel * fabs(T) + abs_)); }
+
+/* The words of a panel whose upper bound reaches the bar: a bit a word (NaN never). */
+static inline uint32_t gh_hits(const float *ur, float bar) {
+#if defined(UR_AVX512)
+    return _mm512_cmp_ps_mask(_mm512_loadu_ps(ur), _mm512_set1_ps(bar), _CMP_GE_OQ);
+#else
+    uint32_t hit = 0;
+    for (int c = 0; c < NR; c++) hit |= (uint32_t)(ur[c] >= bar) << c;
+    return hit;
+#endif
+}
+
+static inline float gh_top(const float *best) {
+    float top = -INFINITY;
+    for (int c = 0; c < NR; c++) top = best[c] > top ? best[c] : top;
+    return top;
+}
+
 /* Candidates of M rows x [M, K] (float32) against the int8 head q (panels [P][Kp / 4][16][4],
    Kp = K rounded up to 4; colsum: each word's sum of codes; s its scale; e and w the
    norms of its rounding error and of the word itself, rounded up). Row m's candidates
-   go to cand + m * cap, ascending, their count to count[m] (-1: more than cap, or a
-   row that is not finite: the caller runs the full head for it). u: M * P * 16 floats
-   of scratch (each word's upper bound). */
+   (the words whose upper bound reaches the bar of its best lower bound) go to
+   cand + m * cap, ascending, their count to count[m] (-1: more than cap, or a row that
+   is not finite: the caller runs the full head for it). The pass keeps, a row, only the
+   words whose upper bound reaches the bar of the best lower bound seen so far (a
+   superset of the candidates, and few: no upper bound is stored for every word), the
+   final bar then picks the candidates from them. pend: scratch of M * 4 cap words and
+   their upper bounds (a row whose kept words outgrow it, even at the bar of the moment,
+   has more than cap candidates: -1). */
 void ur_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *q, const int32_t *colsum,
                           const float *s, const float *e, const float *w, int64_t V, double gamma, double rel,
-                          double abs_, float *u, int64_t *cand, int64_t cap, int64_t *count) {
-    const int64_t P = (V + NR - 1) / NR, Kp = (K + 3) / 4 * 4, VP = P * NR;
+                          double abs_, void *pend, int64_t *cand, int64_t cap, int64_t *count) {
+    const int64_t P = (V + NR - 1) / NR, Kp = (K + 3) / 4 * 4, PC = 4 * cap + 4096;
     uint8_t *q1 = (uint8_t *)malloc((size_t)(M * Kp));
     gh_row *rw = (gh_row *)malloc(sizeof(gh_row) * (size_t)M);
     float *best = (float *)malloc(sizeof(float) * (size_t)(M * NR));   /* each row's best lower bound, a lane a word */
+    float *bar = (float *)malloc(sizeof(float) * (size_t)M);           /* each row's filter bar of the moment */
+    int64_t *np = (int64_t *)malloc(sizeof(int64_t) * (size_t)M);     /* words kept, -1 when they outgrew pend */
     for (int64_t m = 0; m < M; m++) {
         rw[m] = gh_quantize(x + m * K, K, Kp, q1 + m * Kp, gamma);
         for (int c = 0; c < NR; c++) best[m * NR + c] = -INFINITY;
+        bar[m] = -FLT_MAX;   /* not -inf: a padding word's -inf never passes */
+        np[m] = rw[m].ok ? 0 : -1;
     }
     for (int64_t p = 0; p < P; p++) {
         const int8_t *panel = q + p * Kp * NR;
@@ -1704,45 +1736,56 @@ void ur_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *q,
                 }
 #endif
             for (int r = 0; r < mr; r++) {
-                const gh_row *g = &rw[m0 + r];
-                float *ur = u + (m0 + r) * VP + p * NR;
-                if (!g->ok) { for (int c = 0; c < NR; c++) ur[c] = -INFINITY; continue; }
+                const int64_t m = m0 + r;
+                if (np[m] < 0) continue;
                 int32_t big[NR];
-                gh_big(g, panel, big);
-                gh_bounds(g, sums[r], big, colsum + p * NR, s + p * NR, e + p * NR, w + p * NR, nw, ur,
-                          best + (m0 + r) * NR);
+                float ur[NR];
+                gh_big(&rw[m], panel, big);
+                gh_bounds(&rw[m], sums[r], big, colsum + p * NR, s + p * NR, e + p * NR, w + p * NR, nw, ur,
+                          best + m * NR);
+                if (!gh_hits(ur, bar[m])) continue;
+                /* a word passed: the bar of the best lower bound now (its own included), and the
+                   words that still pass it kept */
+                bar[m] = gh_bar(gh_top(best + m * NR), rel, abs_);
+                int32_t *pw = (int32_t *)pend + m * 2 * PC;
+                float *pu = (float *)pend + m * 2 * PC + PC;
+                int64_t n = np[m];
+                if (n + NR > PC) {   /* full: what no longer passes goes */
+                    int64_t k = 0;
+                    for (int64_t i = 0; i < n; i++)
+                        if (pu[i] >= bar[m]) { pw[k] = pw[i]; pu[k++] = pu[i]; }
+                    n = k;
+                    if (n + NR > PC) { np[m] = -1; continue; }
+                }
+                for (uint32_t hit = gh_hits(ur, bar[m]); hit; hit &= hit - 1) {
+                    const int c = __builtin_ctz(hit);
+                    pw[n] = (int32_t)(p * NR + c);
+                    pu[n++] = ur[c];
+                }
+                np[m] = n;
             }
             m0 += mr;
         }
     }
     for (int64_t m = 0; m < M; m++) {
+        const double T = gh_top(best + m * NR);
+        if (np[m] < 0 || !isfinite(T)) { count[m] = -1; continue; }
+        const float fb = gh_bar(T, rel, abs_);
+        const int32_t *pw = (const int32_t *)pend + m * 2 * PC;
+        const float *pu = (const float *)pend + m * 2 * PC + PC;
         int64_t n = 0;
-        float top = -INFINITY;
-        for (int c = 0; c < NR; c++) top = best[m * NR + c] > top ? best[m * NR + c] : top;
-        const double T = top;
-        if (!rw[m].ok || !isfinite(T)) { count[m] = -1; continue; }
-        const float bar = (float)(T - (rel * fabs(T) + abs_));
-        const float *ur = u + m * VP;
-        int64_t j = 0;
-#if defined(UR_AVX512)
-        const __m512 bv = _mm512_set1_ps(bar);
-        for (; j + 16 <= V && n >= 0; j += 16)   /* 16 words a compare; the few that pass one by one */
-            for (__mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(ur + j), bv, _CMP_GE_OQ); hit && n >= 0;
-                 hit &= (__mmask16)(hit - 1)) {
+        for (int64_t i = 0; i < np[m] && n >= 0; i++)
+            if (pu[i] >= fb) {
                 if (n == cap) n = -1;
-                else cand[m * cap + n++] = j + __builtin_ctz(hit);
-            }
-#endif
-        for (; j < V && n >= 0; j++)
-            if (ur[j] >= bar) {
-                if (n == cap) n = -1;
-                else cand[m * cap + n++] = j;
+                else cand[m * cap + n++] = pw[i];
             }
         count[m] = n;
     }
     free(q1);
     free(rw);
     free(best);
+    free(bar);
+    free(np);
 }
 
 /* ------------------------------------------------------------------------ elementwise */
