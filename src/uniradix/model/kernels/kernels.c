@@ -1556,9 +1556,14 @@ static inline void gh_big(const gh_row *g, const int8_t *panel, int32_t *out) {
 #if defined(UR_AVX512) && defined(__AVX512VNNI__)
 /* L rows' integer sums against one panel: sums[l][c] = sum_k q0[l * Kp + k] panel[k][c],
    C chains a row over alternate groups of 4 inputs (one or two rows: one chain would wait
-   on each dpbusd's latency; integer sums are exact in any order) */
-static inline __attribute__((always_inline)) void gh_sums(const int L, const int C, const uint8_t *q0, int64_t Kp,
-                                                          const int8_t *panel, int32_t sums[][NR], const int8_t *pf) {
+   on each dpbusd's latency; integer sums are exact in any order). hot: the panel is in L1
+   (a block after the first), and each group of 4 inputs is loaded once into a register
+   for all the rows, where the compiler would fold it into every row's dpbusd as a load of
+   its own (blocks of 2-4 rows then took twice a row's time: Zen 4's loads, not its
+   products, were the limit); from memory, the folded form streams faster. */
+static inline __attribute__((always_inline)) void gh_sums(const int L, const int C, const int hot, const uint8_t *q0,
+                                                          int64_t Kp, const int8_t *panel, int32_t sums[][NR],
+                                                          const int8_t *pf) {
     __m512i acc[GH_ROWS][4];
     for (int l = 0; l < L; l++)
         for (int c = 0; c < C; c++) acc[l][c] = _mm512_setzero_si512();
@@ -1566,7 +1571,8 @@ static inline __attribute__((always_inline)) void gh_sums(const int L, const int
     for (; k + 4 * C <= Kp; k += 4 * C)
         for (int c = 0; c < C; c++) {
             if (pf) __builtin_prefetch(pf + (k + 4 * c) * NR, 0, 2);
-            const __m512i wv = _mm512_loadu_si512(panel + (k + 4 * c) * NR);
+            __m512i wv = _mm512_loadu_si512(panel + (k + 4 * c) * NR);
+            if (hot) __asm__("" : "+v"(wv));   /* in a register: not folded into each row's dpbusd */
             for (int l = 0; l < L; l++) {
                 int32_t four;
                 memcpy(&four, q0 + l * Kp + k + 4 * c, 4);
@@ -1710,20 +1716,29 @@ void ur_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *q,
     for (int64_t p = 0; p < P; p++) {
         const int8_t *panel = q + p * Kp * NR;
         const int nw = V - p * NR >= NR ? NR : (int)(V - p * NR);
-        for (int64_t m0 = 0, left = (M + GH_ROWS - 1) / GH_ROWS; m0 < M; left--) {
-            /* the rows in blocks of even size (17: 6, 6, 5; not 8, 8, 1) */
-            const int mr = (int)((M - m0 + left - 1) / left);
+        for (int64_t m0 = 0; m0 < M;) {
+            /* the first block, which streams the panel in, takes GH_ROWS rows, the rest go in
+               blocks of even size over the panel in L1 (17: 8, 5, 4; 9: 8, 1) */
+            const int64_t rest = M - m0, blocks = (rest + GH_ROWS - 1) / GH_ROWS;
+            const int mr = (int)(m0 == 0 ? (rest < GH_ROWS ? rest : GH_ROWS) : (rest + blocks - 1) / blocks);
             int32_t sums[GH_ROWS][NR];
 #if defined(UR_AVX512) && defined(__AVX512VNNI__)
             /* several rows: the first block asks for the next panel while it reads this one
                (at 4 / 8 / 17 rows 1.1x / 1.9x / 1.4x faster, measured on Zen 4; at one row
                the hardware's prefetch alone is faster) */
             const int8_t *pf = M > 2 && m0 == 0 && p + 1 < P ? panel + Kp * NR : NULL;
-            switch (mr) {   /* the row count a constant: the sums stay in registers */
-#define GH(R, C) case R: gh_sums(R, C, q1 + m0 * Kp, Kp, panel, sums, pf); break;
-            GH(1, 4) GH(2, 2) GH(3, 1) GH(4, 1) GH(5, 1) GH(6, 1) GH(7, 1) GH(8, 1)
+            if (m0 == 0)
+                switch (mr) {   /* the row count a constant: the sums stay in registers */
+#define GH(R, C) case R: gh_sums(R, C, 0, q1 + m0 * Kp, Kp, panel, sums, pf); break;
+                GH(1, 4) GH(2, 2) GH(3, 1) GH(4, 1) GH(5, 1) GH(6, 1) GH(7, 1) GH(8, 1)
 #undef GH
-            }
+                }
+            else   /* the panel the first block read, in L1 */
+                switch (mr) {
+#define GH(R, C) case R: gh_sums(R, C, 1, q1 + m0 * Kp, Kp, panel, sums, NULL); break;
+                GH(1, 4) GH(2, 4) GH(3, 2) GH(4, 2) GH(5, 1) GH(6, 1) GH(7, 1) GH(8, 1)
+#undef GH
+                }
 #else
             memset(sums, 0, sizeof sums);
             for (int64_t k = 0; k < Kp; k += 4)
