@@ -72,7 +72,7 @@ def test_the_greedy_head_picks_the_full_heads_argmax(dtype, scaled):
     want = _full(x, head, finish)
     got = [gh.argmax(x[i:i + 1], finish)[0] for i in range(len(x))]   # alone: only its own candidates computed
     assert gh.argmax(x[:40], finish) == got[:40]      # together: the same
-    for n in (2, 9, 17):                              # rows in blocks of even size (17: 6, 6, 5): the same candidates
+    for n in (2, 9, 10, 17):                          # rows in blocks (17: 8, 5, 4; 10: 8, 2): the same candidates
         together = gh.candidates(x[:n], dtype)
         for i in range(n):
             alone = gh.candidates(x[i:i + 1], dtype)[0]
