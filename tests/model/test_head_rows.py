@@ -2,7 +2,10 @@
 a chunk that reaches the end of its request's tokens (the prompt's last, or a decode
 token); a prefill chunk short of the end gets no logits. Checked by counting the rows
 that reach the head, per forward, for the embedded model and every Hugging Face family,
-in batches that mix finishing and unfinished prefill chunks with decode rows."""
+in batches that mix finishing and unfinished prefill chunks with decode rows; and, for
+the families, the rows their last layer goes on with past its attention or mixer (the
+same rows: the other rows' KV and states are written, and nothing after them is
+computed), with every logit exact."""
 from __future__ import annotations
 
 import random
@@ -43,6 +46,24 @@ def count_family_head(model) -> list[int]:
         seen.append(x.shape[0])
         return head(x)
     model.head = counting
+    return seen
+
+
+def count_family_last_layer(model) -> list[int]:
+    """Rows per forward that a Hugging Face family's last layer hands on (its attention
+    or mixer writes every row's KV and state; the rest of it runs on these), checking
+    that every other layer hands on every row."""
+    seen: list[int] = []
+    block, last = model.block, len(model.kinds) - 1
+
+    def counting(i, x, batch):
+        out = block(i, x, batch)
+        if i == last:
+            seen.append(out.shape[0])
+        else:
+            assert out.shape[0] == x.shape[0] == len(batch.ids)
+        return out
+    model.block = counting
     return seen
 
 
@@ -99,9 +120,10 @@ def test_family_head_runs_only_on_sampled_rows(make_engine, tmp_path, family):
     from harness import V, make_tiny
     from uniradix.model.hf import load_checkpoint
     model = load_checkpoint(make_tiny(family, str(tmp_path / family)))
-    seen = count_family_head(model)
+    seen, last = count_family_head(model), count_family_last_layer(model)
     eng, reqs, want = run_mixed(make_engine, model, V)
-    del model.head
+    del model.head, model.block
+    assert last == want, (last, want)   # the last layer goes on with the sampled rows only
     check_rows(eng, reqs, want, seen)
 
 

@@ -303,7 +303,10 @@ class HFModel(HFWeights, PagedModel):
     @torch.no_grad()
     def forward(self, pools, inputs, wait_layer=None):
         """Logits [n_logits, vocab] per request: the head runs only on each request's
-        last `logit_rows` rows (PagedInput), gathered before the final norm."""
+        last `logit_rows` rows (PagedInput). The last layer writes what the cache keeps of
+        every row (its KV, its recurrent state) and computes the rest (attention, output
+        projection, MLP) for those rows only (Batch.keep): a prefill chunk's other rows
+        end there."""
         if not inputs:
             return []
         device = next(iter(self.weights.values())).device
@@ -313,9 +316,9 @@ class HFModel(HFWeights, PagedModel):
         for i in range(len(self.kinds)):
             if wait_layer is not None:
                 wait_layer(i)
+            if i == len(self.kinds) - 1:
+                batch.keep = rows
             x = self.block(i, x, batch)
-        if rows is not None:
-            x = x.index_select(0, rows)
         out = self._outputs(x, inputs, counts)
         batch.commit()  # only now does any request's recurrent state advance
         return out

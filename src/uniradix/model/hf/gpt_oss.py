@@ -120,7 +120,7 @@ class GptOss(HFModel):
         v = self._linear(h, p + "self_attn.v_proj").view(N, self.kv_heads, self.head_dim)
         q, k = batch.rotate(self.rope[i], q, k)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale, sinks=w(p + "self_attn.sinks"))
-        x = x + self._linear(a.reshape(N, -1), p + "self_attn.o_proj")
+        x = batch.kept(x) + self._linear(a.flatten(1), p + "self_attn.o_proj")
         h = rms_norm(x, w(p + "post_attention_layernorm.weight"), self.eps, dtype=self.dtype)
         return x + self.moe(p + "mlp.", h)
 

@@ -103,7 +103,7 @@ class Mamba2:
         proj = linear(h, self.w("in_proj.weight"), self.b("in_proj.bias"))
         z = proj[:, :self.inner]
         y = run_recurrent(batch, spec, layer, proj[:, self.inner:], self.scan)
-        return linear(self.gated_norm(y, z).to(h.dtype), self.w("out_proj.weight"), self.b("out_proj.bias"))
+        return linear(self.gated_norm(y, batch.kept(z)).to(h.dtype), self.w("out_proj.weight"), self.b("out_proj.bias"))
 
     def scan(self, xbcdt: torch.Tensor, states):
         """Tokens [B, T, conv_dim + heads] of B requests from their (conv state, ssm
@@ -138,9 +138,9 @@ class Mamba2:
     def gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm over each group of y * SiLU(z), in float32, scaled by the weight."""
         g = y.float() * silu(z.float())
-        g = g.view(g.shape[0], self.groups, -1)
+        g = g.view(g.shape[0], self.groups, g.shape[1] // self.groups)
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.w("norm.weight").float() * g.reshape(y.shape[0], -1)
+        return self.w("norm.weight").float() * g.flatten(1)
 
 
 # ---------------------------------------------------------------------------- Granite
@@ -223,7 +223,7 @@ class GraniteHybrid(HFModel):
         if self.rope[i] is not None:
             q, k = batch.rotate(self.rope[i], q, k)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale)
-        return linear(a.reshape(N, -1), self.w(p + "o_proj.weight"), b(p + "o_proj.bias"))
+        return linear(a.flatten(1), self.w(p + "o_proj.weight"), b(p + "o_proj.bias"))
 
     def block(self, i, x, batch):
         p = f"model.layers.{i}."
@@ -232,7 +232,7 @@ class GraniteHybrid(HFModel):
             h = self.mixers[i](batch, RECURRENT, i, h)
         else:
             h = self.attention(i, h, batch)
-        x = x + h * self.residual_multiplier
+        x = batch.kept(x) + h * self.residual_multiplier
         h = rms_norm_llama(x, self.w(p + "post_attention_layernorm.weight"), self.eps, dtype=self.dtype)
         m = self.shared_mlp(p + "shared_mlp.", h)
         if self.experts > 0:

@@ -123,11 +123,11 @@ class NemotronH(HFModel):
             h = self.mixers[i](batch, RECURRENT, i, h)
         elif kind == FULL:
             h = self.attention(p + "mixer.", i, h, batch)
-        elif kind == MLP:
-            h = self.mlp(p + "mixer.", h)
+        elif kind == MLP:   # no state to keep: the rows the layer goes on with only
+            h = self.mlp(p + "mixer.", batch.kept(h))
         else:
-            h = self.moe(p + "mixer.", h)
-        return x + h
+            h = self.moe(p + "mixer.", batch.kept(h))
+        return batch.kept(x) + h
 
     def attention(self, p, i, h, batch):
         N = h.shape[0]
@@ -136,7 +136,7 @@ class NemotronH(HFModel):
         k = linear(h, self.w(p + "k_proj.weight"), b(p + "k_proj.bias")).view(N, self.kv_heads, self.head_dim)
         v = linear(h, self.w(p + "v_proj.weight"), b(p + "v_proj.bias")).view(N, self.kv_heads, self.head_dim)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.scale)
-        return linear(a.reshape(N, -1), self.w(p + "o_proj.weight"), b(p + "o_proj.bias"))
+        return linear(a.flatten(1), self.w(p + "o_proj.weight"), b(p + "o_proj.bias"))
 
     def mlp(self, p, h):
         b = self.weights.get

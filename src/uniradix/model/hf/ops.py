@@ -277,6 +277,14 @@ class Batch:
         self._plans: dict = {}
         self._rope: dict = {}
         self.commits: list = []
+        #: the rows the rest of a layer computes for, once its mixer has written what the
+        #: cache keeps of every row (KV, recurrent states): the forward sets it for its last
+        #: layer to the rows that get logits (None: every row)
+        self.keep: torch.Tensor | None = None
+
+    def kept(self, t: torch.Tensor) -> torch.Tensor:
+        """The rows of t [N, ...] that the layer goes on with (`keep`)."""
+        return t if self.keep is None else t.index_select(0, self.keep)
 
     def rotate(self, table: tuple, *xs: torch.Tensor) -> tuple:
         """Each x [N, heads, d] (queries, keys) rotated at this batch's positions by RoPE
@@ -426,14 +434,25 @@ def paged_attention(batch: Batch, spec, layer: int, q: torch.Tensor, k: torch.Te
     """Write k, v [N, KV, d] of the new tokens into component `spec`'s pages of `layer`,
     then attend: q [N, H, d] over each request's keys (causal; a sliding window reads
     from spec.first_key). `sinks` [H]: per-head logits that join each softmax (gpt-oss).
-    Returns [N, H, d]."""
+    Returns [N, H, d], or for the rows of batch.keep only where the forward set it (the
+    keys and values of every row written all the same)."""
     pool = batch.pools[spec.name]
     kp, vp = pool.slots(layer)                                          # [slots, KV, d] views
     plan = batch.plan(spec)
     kp.index_copy_(0, plan.write, k.to(kp.dtype))
     vp.index_copy_(0, plan.write, v.to(vp.dtype))
     if plan.keys is not None:  # the row-invariant kernel, over the pools where they are
-        return kernels.attention(q, kp, vp, plan.keys, plan.first, plan.count, scale, sinks)
+        first, count, keep = plan.first, plan.count, batch.keep
+        if keep is not None:   # the queries the layer goes on with, alone: each row's bits the same
+            if not len(keep):
+                return q.new_empty((0, *q.shape[1:]))
+            q, first, count = q.index_select(0, keep), first.index_select(0, keep), count.index_select(0, keep)
+        return kernels.attention(q, kp, vp, plan.keys, first, count, scale, sinks)
+    return batch.kept(_torch_attention(q, kp, vp, plan, scale, sinks))
+
+
+def _torch_attention(q, kp, vp, plan, scale, sinks) -> torch.Tensor:
+    """paged_attention's queries over the pools by torch's attention, group by group."""
     out = None
     for g in plan.groups:
         qg = (q.view(*g.rows.shape, *q.shape[1:]) if g.every_row else q[g.rows]).float().transpose(1, 2)  # [B, H, T, d]
@@ -471,7 +490,8 @@ def run_recurrent(batch: Batch, spec, layer: int, h: torch.Tensor, mixer) -> tor
     layer's tensors (the pool's conv and recurrent state) for B slots. Single-token
     requests (decode) run together, B of them; a longer one runs alone, in pieces cut at
     its capture positions, where its state is copied out. Every write waits for
-    Batch.commit (after the last layer). Returns [N, ...] in batch order."""
+    Batch.commit (after the last layer). Returns [N, ...] in batch order (the rows of
+    batch.keep where the forward set it: every row's state advances all the same)."""
     mp = batch.pools[spec.name]
     bufs = mp.layer_tensors(layer)
     pieces = []                                          # (rows of the batch, out [rows, ...])
@@ -512,7 +532,7 @@ def run_recurrent(batch: Batch, spec, layer: int, h: torch.Tensor, mixer) -> tor
     out = first.new_empty((h.shape[0], *first.shape[1:]))
     for rows, o in pieces:
         out[rows] = o
-    return out
+    return batch.kept(out)
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias=None, act=None):

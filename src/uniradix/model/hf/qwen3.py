@@ -64,7 +64,7 @@ class Qwen3(HFModel):
         k = rms_norm_llama(k, w(p + "self_attn.k_norm.weight"), self.eps)
         q, k = batch.rotate(self.rope[i], q, k)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=self.head_dim ** -0.5)
-        x = x + self._linear(a.reshape(N, -1), p + "self_attn.o_proj")
+        x = batch.kept(x) + self._linear(a.flatten(1), p + "self_attn.o_proj")
         h = rms_norm_llama(x, w(p + "post_attention_layernorm.weight"), self.eps, dtype=self.dtype)
         g, u = self.projections(h, p + "mlp.gate_proj", p + "mlp.up_proj")
         g = gated("silu", g, u)

@@ -145,7 +145,7 @@ class Qwen3Next(HFModel):
             h = self._gdn(i, p + "linear_attn.", h, batch)
         else:
             h = self._attention(i, p + "self_attn.", h, batch)
-        x = x + h
+        x = batch.kept(x) + h
         h = rms_norm(x, self.w(p + "post_attention_layernorm.weight"), self.eps, 1.0, dtype=self.dtype)
         if self.has(p + "mlp.gate.weight"):
             return x + self._moe(p + "mlp.", h)
@@ -165,7 +165,7 @@ class Qwen3Next(HFModel):
         k = rms_norm(k, self.w(p + "k_norm.weight"), self.eps, 1.0)
         q, k = batch.rotate(self.rope[i], q, k)
         a = paged_attention(batch, self.spec(i), i, q, k, v, scale=d ** -0.5)
-        return self._linear(p + "o_proj", a.reshape(N, -1) * sigmoid(gate))
+        return self._linear(p + "o_proj", a.flatten(1) * sigmoid(batch.kept(gate)))
 
     # ------------------------------------------------------------------ gated delta-net
     def _projections(self, p, h):
@@ -205,9 +205,9 @@ class Qwen3Next(HFModel):
             out, state = self._delta_rule(y, beta_t, g_t, state)
             return out.to(dtype), (conv_state, state)
 
-        core = run_recurrent(batch, RECURRENT, i, packed, mixer).view(N, self.v_heads, self.dv)
-        out = _gated_rms_norm(core, z, self.w(p + "norm.weight"), self.eps)
-        return self._linear(p + "out_proj", out.reshape(N, -1))
+        core = run_recurrent(batch, RECURRENT, i, packed, mixer).view(-1, self.v_heads, self.dv)
+        out = _gated_rms_norm(core, batch.kept(z), self.w(p + "norm.weight"), self.eps)
+        return self._linear(p + "out_proj", out.flatten(1))
 
     def _delta_rule(self, y, beta, g, state):
         """The gated delta rule in float32 from `state` [B, Hv, dk, dv]: y [B, T, conv_dim]
