@@ -1695,9 +1695,9 @@ static inline float gh_top(const float *best) {
    is not finite: the caller runs the full head for it). The pass keeps, a row, only the
    words whose upper bound reaches the bar of the best lower bound seen so far (a
    superset of the candidates, and few: no upper bound is stored for every word), the
-   final bar then picks the candidates from them. pend: scratch of M * 4 cap words and
-   their upper bounds (a row whose kept words outgrow it, even at the bar of the moment,
-   has more than cap candidates: -1). */
+   final bar then picks the candidates from them. pend: scratch of M * 2 (4 cap + 4096)
+   floats, a row's kept words and their upper bounds (a row whose kept words outgrow it,
+   even at the bar of the moment, has more than cap candidates: -1). */
 void ur_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *q, const int32_t *colsum,
                           const float *s, const float *e, const float *w, int64_t V, double gamma, double rel,
                           double abs_, void *pend, int64_t *cand, int64_t cap, int64_t *count) {
