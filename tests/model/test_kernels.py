@@ -36,7 +36,7 @@ def _cuts(n: int, size: int) -> list[tuple[int, int]]:
 
 # ---------------------------------------------------------------------------- products
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(64, 64), (33, 17), (200, 640), (16, 1), (1, 40)], ids=str)
+@pytest.mark.parametrize("shape", [(64, 64), (33, 17), (200, 640), (40, 1602), (16, 1), (1, 40)], ids=str)
 def test_a_row_is_the_same_bits_alone_or_among_any_rows(dtype, shape):
     torch.manual_seed(0)
     N, K = shape
