@@ -12,7 +12,8 @@ SGLang implementation for the mode and the project's own benchmark:
 which must print, as its last line, one JSON object with at least
 `hit_rate`, `evicted_tokens` and `req_per_s` (requests per second through the
 loop: match, lock, evict if short, allocate, insert, unlock). It prints the
-median of each and the ratio of the project to each peer.
+median of each and the ratio of the project to each peer (with `--draft-index`, also
+the project with speculation's draft index kept in step: what SUFFIX drafts cost).
 
 Modes: full (FULL only; peers: SGLang 0.5.23 RadixCache, UnifiedRadixCache
 with Python and Rust tree cores), swa (FULL+SWA, window 4096; peer: 0.5.20
@@ -59,6 +60,9 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capacity", type=int, default=200_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--draft-index", action="store_true",
+                    help="also run the project with speculation's draft index kept in step (--speculative-algorithm "
+                         "SUFFIX's cost to the tree), as project+draft-index")
     a = ap.parse_args()
 
     venv = os.path.dirname(os.path.dirname(sys.executable))
@@ -80,15 +84,20 @@ def main():
                "--mode", a.mode, "--json"]
         r = run(cmd, cwd=a.project)
         results.setdefault("project", []).append(r)
+        if a.draft_index:
+            r = run(cmd + ["--draft-index"], cwd=a.project)
+            results.setdefault("project+draft-index", []).append(r)
 
     med = {k: statistics.median(x["req_per_s"] for x in v) for k, v in results.items()}
     for k, v in results.items():
         print(f"{k:32s} req/s median {med[k]:>10,.0f}  hit_rate {v[0]['hit_rate']:.4f}  "
               f"evicted_tokens {v[0]['evicted_tokens']}")
-    for k in med:
-        if k != "project":
-            print(f"ratio project / {k}: {med['project'] / med[k]:.2f}")
-    worst = min(med["project"] / med[k] for k in med if k != "project")
+    ours = [k for k in med if k.startswith("project")]
+    for o in ours:
+        for k in med:
+            if k not in ours:
+                print(f"ratio {o} / {k}: {med[o] / med[k]:.2f}")
+    worst = min(med["project"] / med[k] for k in med if k not in ours)
     print(json.dumps({"mode": a.mode, "min_ratio_vs_peers": round(worst, 3),
                       "medians": {k: round(v, 1) for k, v in med.items()},
                       "hit_rates": {k: v[0]["hit_rate"] for k, v in results.items()}}))

@@ -214,6 +214,7 @@ class RadixTreeMachine(RuleBasedStateMachine):
                                MambaComponent()], page_size=page, eviction_policy=policy)
         # speculation's draft index, kept in step with every insert, split and removal
         self.tree.drafts = DraftIndex(2)
+        self.runs_seen = set()  # every (root, run) a check found in the tree
         self.allocs = [HandleAllocator(full_size, "full"), HandleAllocator(swa_size, "swa"),
                        HandleAllocator(mamba_size, "mamba")]
         # the host tier: a multiple of the device's (design.md §4 --hicache-ratio), or less
@@ -1096,23 +1097,38 @@ class RadixTreeMachine(RuleBasedStateMachine):
 
     @invariant()
     def check_draft_index(self):
-        """The index holds exactly the runs a fresh one over today's tree would: every run
-        of 2 tokens ending in a node's span, under its tenant's root, with where its
-        continuation starts."""
+        """The index finds every run of 2 tokens that ends in a node's span under its
+        tenant's root, only at real places (the run ends right before the position it
+        gives, in a node of that tree), and no run that has left the tree; it holds those
+        runs and no other, names no removed node, and counts the tree's tokens."""
         if self.tree is None:
             return
+        ix = self.tree.drafts
         want = set()
+        tokens = 0
         for root in self.tree.roots.values():
             for nd in self.tree.nodes():
                 if nd.path()[0].parent is not root:
                     continue
+                tokens += nd.end - nd.start
                 toks = helpers.node_tokens(nd)
-                for j in range(nd.start, nd.end):
-                    if j >= 1:
-                        want.add((id(root), bytes(array("I", toks[j - 1:j + 1])), id(nd), j + 1 - nd.start))
-        got = {(key[0], key[1], id(e[0]), e[1]) for key, d in self.tree.drafts.runs.items() for e in d.values()}
-        assert got == want
-        assert sum(len(v) for v in self.tree.drafts.by_node.values()) == len(want)
+                for j in range(max(1, nd.start), nd.end):
+                    want.add((id(root), bytes(array("I", toks[j - 1:j + 1]))))
+        roots = {id(r): r for r in self.tree.roots.values()}
+        for rid, run in want:
+            found = ix.occurrences(roots[rid], run)
+            assert found, (rid, run)
+            for x, at in found:
+                assert x.attached and x.path()[0].parent is roots[rid]
+                toks = helpers.node_tokens(x)
+                assert x.start < x.start + at <= x.end
+                assert bytes(array("I", toks[x.start + at - 2:x.start + at])) == run
+        self.runs_seen |= want
+        for rid, run in self.runs_seen - want:
+            assert ix.occurrences(roots[rid], run) == []
+        assert ix.tokens == tokens
+        assert {(rid, run) for rid, d in ix.runs.items() for run in d} == want
+        assert all(x.attached for d in ix.runs.values() for v in d.values() for x in (v if type(v) is list else (v,)))
 
     @invariant()
     def check_everything(self):
