@@ -103,6 +103,19 @@ def settle(server) -> None:
         time.sleep(0.05)
 
 
+def sampled_after(server, finished: float) -> None:
+    """The history holds a sample that counts `finished` requests and an earlier one (a
+    sample every SAMPLE_S seconds): the page's last-minute rates are numbers, not "-",
+    however fast the traffic ran."""
+    deadline = time.monotonic() + HANG_S
+    while time.monotonic() < deadline:
+        h = server.get("/dashboard/data")[1]["history"]
+        if len(h) >= 2 and h[-1]["finished"] >= finished:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no second history sample after {finished} finished requests: {h[-2:]}")
+
+
 def check_against_metrics(server, dom: str) -> dict:
     """Each number the page shows is /metrics' series of the same name (the server idle,
     so nothing moves in between); returns {series: value} as shown."""
@@ -149,6 +162,7 @@ def test_the_page_shows_what_metrics_says_before_and_after_traffic(server):
     assert after["uniradix_spec_decode_num_drafts_total"] > 0  # the prompts' runs of numbers draft their replies
     # what an operator looks at first: TTFT percentiles, the last minute's decode and
     # request rates, and a time axis in clock time
+    sampled_after(server, after["uniradix_requests_finished_total"])
     dom = browse(url)
     text = re.sub(r"<[^>]+>", " ", dom)
     p50 = re.search(r"TTFT p50 / p90 / p99\s+(\d+) / (\d+) / (\d+) ms", text)
