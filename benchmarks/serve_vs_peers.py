@@ -623,6 +623,11 @@ def f32_folder(gguf: str, out: str) -> list[int]:
     GGUF file; returns the end-of-generation ids (eos and end of turn)."""
     done = os.path.join(out, "chat_template.jinja")
     if not os.path.exists(done):
+        import importlib.util
+        for need in ("transformers", "accelerate"):  # transformers dequantizes a GGUF only with accelerate
+            if importlib.util.find_spec(need) is None:
+                sys.exit(f"writing the float32 folder {out} from the GGUF needs {need}: pip install {need} "
+                         f"(or pass --f32-dir a folder written before)")
         print(f"writing the float32 folder {out} from {gguf} (once; a minute or two)", flush=True)
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
