@@ -34,7 +34,6 @@ GRAM = 4
 CANDIDATES = 64
 
 _first = itemgetter(0)
-_NONE = object()
 
 
 class DraftIndex:
@@ -50,7 +49,6 @@ class DraftIndex:
         self._fmt = f"{self.width}s"
         self.runs: dict[int, dict[bytes, object]] = {}   # id(root) -> run -> node | [nodes]
         self.origin: dict[int, object] = {}   # id(node) -> its parent when indexed (the nodes between were split off it)
-        self.tokens = 0   # tokens of the indexed nodes in the tree
 
     def __len__(self) -> int:
         """Runs held."""
@@ -59,21 +57,16 @@ class DraftIndex:
     # ------------------------------------------------------------------ the tree's hooks
     def add(self, node) -> None:
         """Index the runs that end inside a new node's span (their first tokens may lie in
-        its ancestors)."""
-        self.tokens += len(node.key) // TOKEN_BYTES
+        its ancestors). A split needs no hook: the runs of its upper part keep naming the
+        lower node (a draft looks in its parents) until that node leaves the tree."""
         self._index(node)
-
-    def split(self, lower, upper, k: int) -> None:
-        """`lower` lost its first k tokens to the new `upper`: their runs keep naming
-        `lower` (a draft looks in its parents) until `lower` leaves the tree."""
 
     def remove(self, node) -> None:
         """A node left the tree: the nodes split off it, whose runs named it, get their own;
         then its runs go."""
-        top = self.origin.pop(id(node), _NONE)
-        if top is _NONE:
+        top = self.origin.pop(id(node), None)
+        if top is None:
             return  # never indexed
-        self.tokens -= len(node.key) // TOKEN_BYTES
         p = node.parent
         while p is not top and p.parent is not None:
             self._index(p)

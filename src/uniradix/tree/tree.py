@@ -239,8 +239,6 @@ class RadixTree(Inserting, Locking, Tiers, Evicting):
             up.refs[ci] = nd.refs[ci]
         self.num_nodes += 1
         self._place_all(up)
-        if self.drafts is not None:
-            self.drafts.split(nd, up, k)
         return up
 
     def _ensure_boundary(self, nd: Node, pos: int) -> bool:

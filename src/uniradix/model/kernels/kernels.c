@@ -216,6 +216,15 @@ static inline wvec wloadf(const float *p, int n) {
 }
 #endif
 
+/* The rows of the pass that starts at row m of M over a block of weights: the first
+   pass, which reads the block in from memory, takes `first` rows, the rest go in passes
+   of even size over it in cache (17 rows, first 8: 8, 5, 4, where 8, 8, 1 left a last
+   pass of one row waiting on its chains) */
+static inline int64_t pass_rows(int64_t m, int64_t M, int64_t first) {
+    const int64_t rest = M - m, passes = (rest + first - 1) / first;
+    return m == 0 ? (rest < first ? rest : first) : (rest + passes - 1) / passes;
+}
+
 /* MR rows x NP panels over k in [k0, k1): the accumulators start from zero (k0 == 0) or
    from y, where the previous k block left them: the chain continues, in k order. */
 #define KBLOCK 768   /* the longest k block: K in blocks of even and equal length up to it */
@@ -1327,8 +1336,7 @@ void ur_linear_q(const void *x, int xdt, int64_t M, int64_t K, int64_t ldx, cons
            one row waiting on its chain: the Q8_0 head's 17 / 25 rows 24.2 / 33.0 ms against
            25.2 / 36.0 on Zen 4) */
         for (int64_t m = 0, mr = 0; m < M; m += mr) {
-            const int64_t rest = M - m, groups = (rest + QROWS - 1) / QROWS;
-            mr = m == 0 ? (rest < QROWS ? rest : QROWS) : (rest + groups - 1) / groups;
+            mr = pass_rows(m, M, QROWS);
             for (int64_t p = p0; p < p1; p++) {
                 const uint8_t *pc = (const uint8_t *)codes + p * per;
                 /* the first pass reads ahead, from 5 rows on: below, one sequential stream, the
@@ -1732,8 +1740,7 @@ void ur_greedy_candidates(const float *x, int64_t M, int64_t K, const int8_t *q,
         for (int64_t m0 = 0; m0 < M;) {
             /* the first block, which streams the panel in, takes GH_ROWS rows, the rest go in
                blocks of even size over the panel in L1 (17: 8, 5, 4; 9: 8, 1) */
-            const int64_t rest = M - m0, blocks = (rest + GH_ROWS - 1) / GH_ROWS;
-            const int mr = (int)(m0 == 0 ? (rest < GH_ROWS ? rest : GH_ROWS) : (rest + blocks - 1) / blocks);
+            const int mr = (int)pass_rows(m0, M, GH_ROWS);
             int32_t sums[GH_ROWS][NR];
 #if defined(UR_AVX512) && defined(__AVX512VNNI__)
             /* several rows: the first block asks for the next panel while it reads this one
